@@ -1,0 +1,32 @@
+# Two commands: `make test` and `make serve`. Both set up .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test serve bench clean protos
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: 2.13.0 is a CPU build on local disk; the project's range then pulls nothing more.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[serve,client,dev]"
+	touch $(STAMP)
+
+test: venv
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q
+
+serve: venv
+	RAY_AUTH_MODE=disabled $(BIN)/logitpool serve
+
+bench: venv
+	$(BIN)/logitpool bench sampler
+
+protos: venv
+	$(BIN)/python protos/generate.py
+
+clean:
+	rm -rf $(VENV)

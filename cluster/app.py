@@ -1,0 +1,79 @@
+"""The one composition root: a LogitpoolConfig in, a Serve application out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ray import serve
+
+from cluster.config import LogitpoolConfig, worker_engine_config
+from cluster.ingress import IngressDeployment
+from cluster.worker import WorkerDeployment
+from worker.logits_processor.registry import fqcn_of, resolve_processor_class
+
+
+def processor_fqcns(processors: Sequence[str | type]) -> tuple[str, ...]:
+    """Class objects become FQCN strings (they travel to workers by name, never as code).
+
+    A class that cannot be imported back from its FQCN is rejected here, at build time.
+    """
+    out = []
+    for p in processors:
+        if isinstance(p, str):
+            out.append(p)
+            continue
+        fqcn = fqcn_of(p)
+        if resolve_processor_class(fqcn) is not p:
+            raise ValueError(f"logits processor {p!r}: {fqcn} does not import back to the same class")
+        out.append(fqcn)
+    return tuple(out)
+
+
+def resolve_model(cfg: LogitpoolConfig) -> LogitpoolConfig:
+    """The embedded default: build the tiny model on first use and point the config at it."""
+    if cfg.engine.model is not None:
+        return cfg
+    from worker.models import build_tiny_model, default_model_path
+
+    path = build_tiny_model(default_model_path())
+    return cfg.with_overrides(**{"engine.model": str(path)})
+
+
+def deployment_options(cfg: LogitpoolConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Serve options of the worker and ingress deployments (the Serve config file uses the same)."""
+    w = cfg.workers
+    worker: dict[str, Any] = {
+        "max_ongoing_requests": cfg.worker_max_ongoing_requests,
+        "max_queued_requests": w.max_queued_requests,
+        "ray_actor_options": {"num_gpus": w.num_gpus, "num_cpus": w.num_cpus},
+    }
+    if w.autoscaling is not None:
+        worker["autoscaling_config"] = w.autoscaling.model_dump()
+    else:
+        worker["num_replicas"] = w.num_replicas or 1
+    i = cfg.ingress
+    ingress = {
+        "num_replicas": i.num_replicas,
+        "max_ongoing_requests": i.max_ongoing_requests,
+        "max_queued_requests": i.max_queued_requests,
+        "ray_actor_options": {"num_cpus": i.num_cpus},
+    }
+    return worker, ingress
+
+
+def build_app(cfg: LogitpoolConfig, *, processors: Sequence[type] = ()) -> serve.Application:
+    if processors:
+        cfg = cfg.with_overrides(**{
+            "engine.logits_processors": cfg.engine.logits_processors + processor_fqcns(processors)
+        })
+    cfg = resolve_model(cfg)
+    engine = worker_engine_config(cfg)
+    worker_opts, ingress_opts = deployment_options(cfg)
+    worker = WorkerDeployment.options(**worker_opts).bind(engine=engine.as_kwargs())
+    return IngressDeployment.options(**ingress_opts).bind(worker, cfg.model_dump())
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """`import_path: cluster.app:app_builder` in a Serve config; `args` is a LogitpoolConfig."""
+    return build_app(LogitpoolConfig.model_validate(args or {}))

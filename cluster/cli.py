@@ -1,0 +1,177 @@
+"""`logitpool serve | generate | bench` — heavy imports happen inside each command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GRPC_SERVICERS = [
+    "client.pb.logitpool.v1.logitpool_pb2_grpc.add_LogitPoolServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+READY_TIMEOUT_S = 600.0
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="start (or join) a Ray cluster and serve logitpool until Ctrl-C")
+    p.add_argument("--config", type=Path, help="LogitpoolConfig YAML file (flags override it)")
+    p.add_argument("--model", help="HF model path or hub id (default: the embedded tiny model)")
+    p.add_argument("--logits-processors", nargs="+", metavar="FQCN", default=None)
+    p.add_argument("--num-replicas", type=int)
+    p.add_argument("--autoscale", nargs=2, type=int, metavar=("MIN", "MAX"))
+    p.add_argument("--num-gpus", type=float, help="GPUs per worker replica (default 0 here)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int)
+    p.add_argument("--grpc-port", type=int)
+    p.add_argument("--address", help="Ray cluster to join (e.g. auto, ray://host:10001); default: start a local one")
+    p.add_argument("--max-num-seqs", type=int)
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from cluster.config import LogitpoolConfig
+
+    cfg = LogitpoolConfig.from_yaml(args.config) if args.config else LogitpoolConfig()
+    o: dict[str, Any] = {}
+    if args.model:
+        o["engine.model"] = args.model
+    if args.logits_processors is not None:
+        o["engine.logits_processors"] = tuple(args.logits_processors)
+    if args.max_num_seqs:
+        o["engine.max_num_seqs"] = args.max_num_seqs
+    if args.num_replicas is not None:
+        o["workers.num_replicas"] = args.num_replicas
+        o["workers.autoscaling"] = None
+    if args.autoscale:
+        lo, hi = args.autoscale
+        o["workers.autoscaling"] = {"min_replicas": lo, "max_replicas": hi}
+        o["workers.num_replicas"] = None
+    if args.num_gpus is not None:
+        o["workers.num_gpus"] = args.num_gpus
+    for flag, key in (("host", "server.host"), ("http_port", "server.http_port"), ("grpc_port", "server.grpc_port")):
+        if getattr(args, flag) is not None:
+            o[key] = getattr(args, flag)
+    return cfg.with_overrides(**o) if o else cfg
+
+
+def start_serve(cfg: Any, address: str | None = None) -> Any:
+    """Start/join Ray, start Serve's HTTP and gRPC proxies, deploy; returns the resolved config."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from cluster.app import build_app, resolve_model
+
+    cfg = resolve_model(cfg)
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=False)
+    serve.start(
+        http_options={"host": cfg.server.host, "port": cfg.server.http_port},
+        grpc_options=gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+    )
+    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+    return cfg
+
+
+def wait_ready(host: str, port: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://{host}:{port}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"logitpool did not become healthy within {timeout_s:.0f}s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    cfg = start_serve(cfg, args.address)
+    host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
+    wait_ready(host, cfg.server.http_port)
+    http = f"http://{host}:{cfg.server.http_port}"
+    print(f"logitpool is serving {cfg.engine.model}")
+    print(f"  HTTP (OpenAI-compatible): {http}/v1   gRPC: {host}:{cfg.server.grpc_port}")
+    print(f"  processors: {http}/v1/processors   health: {http}/health   metrics: {http}/metrics")
+    print("Try:")
+    print(f"  curl {http}/v1/completions -H 'Content-Type: application/json' "
+          "-d '{\"prompt\": \"def main(\", \"max_tokens\": 16}'")
+    print(f"  logitpool generate 'def main(' --target {host}:{cfg.server.grpc_port}")
+    print("Ctrl-C to stop.", flush=True)
+    stop = False
+
+    def _stop(*_: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    while not stop:
+        time.sleep(0.5)
+    from ray import serve
+
+    serve.shutdown()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from client import Client
+
+    sampling: dict[str, Any] = {"max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        sampling["temperature"] = args.temperature
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    if args.extra_args:
+        sampling["extra_args"] = json.loads(args.extra_args)
+    with Client(args.target, api_key=args.api_key or os.environ.get("LOGITPOOL_API_KEY"), timeout=args.timeout) as c:
+        finish = None
+        for chunk in c.stream(args.prompt, **sampling):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            finish = chunk.finish_reason or finish
+    print(f"\n[finish_reason={finish}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="logitpool")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub)
+    g = sub.add_parser("generate", help="one streamed request over gRPC")
+    g.add_argument("prompt")
+    g.add_argument("--target", default="127.0.0.1:9000")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--extra-args", help="JSON object for custom logits processors")
+    g.add_argument("--api-key")
+    g.add_argument("--timeout", type=float, default=120.0)
+    b = sub.add_parser("bench", help="benchmarks: sampler | engine | serve")
+    b.add_argument("what", choices=["sampler", "engine", "serve"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.cmd == "serve":
+        return cmd_serve(args)
+    if args.cmd == "generate":
+        return cmd_generate(args)
+    if args.what == "sampler":
+        from worker.bench.sampler import main as bench_main
+    elif args.what == "engine":
+        from worker.bench.engine import main as bench_main
+    else:
+        from cluster.bench_serve import main as bench_main
+    return bench_main(args.rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

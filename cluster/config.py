@@ -1,0 +1,275 @@
+"""One typed, frozen configuration for a logitpool deployment, one model per layer.
+
+Every way of running logitpool reads these models: the CLI, the Serve application builder
+(`cluster.app:app_builder` validates its `args` with `LogitpoolConfig.model_validate`), the
+generated `serve deploy` file (`cluster.serve_config`) and, mirrored in templates, the Helm
+chart. Validation happens here, where a config is built: a bad value raises `ValueError`
+(pydantic's `ValidationError` is one) naming the field. Unknown keys are rejected, so a typo
+fails instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
+
+if TYPE_CHECKING:
+    import worker.config
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+# Serve's convention: -1 means an unbounded queue.
+QueueLimit = Annotated[int, Field(ge=-1)]
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_FQCN = re.compile(rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$")
+_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?|mps)$")
+_ENV_NAME = re.compile(rf"^{_IDENT}$")
+
+
+class _Frozen(BaseModel):
+    """Immutable, and strict about keys: an unknown key is an error, not a no-op."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EngineConfig(_Frozen):
+    """What each worker replica's engine is built with."""
+
+    model: str | None = None
+    """Hugging Face hub id or local path; None = the embedded tiny model, built on first use."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: str | None = None
+    """None = cuda if available, else cpu."""
+    max_num_seqs: PositiveInt = 64
+    max_num_batched_tokens: PositiveInt = 2048
+    max_model_len: Annotated[int, Field(ge=2)] | None = None
+    max_logprobs: NonNegativeInt = 20
+    seed: int = 0
+    logits_processors: tuple[str, ...] = ()
+    """FQCNs `"dotted.module:ClassName"`, loaded once when a worker starts."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, value: str | None) -> str | None:
+        if value is not None and not _DEVICE.match(value):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {value!r}")
+        return value
+
+    @field_validator("logits_processors")
+    @classmethod
+    def _fqcn_syntax(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for fqcn in value:
+            if not _FQCN.match(fqcn):
+                raise ValueError(
+                    f"logits processor {fqcn!r} is not a fully-qualified class name "
+                    "of the form 'dotted.module.path:ClassName'"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _token_budget_fits_batch(self) -> EngineConfig:
+        # Every running sequence decodes one token per step, so a step must fit them all.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        return self
+
+
+class AutoscalingConfig(_Frozen):
+    """Serve request-based autoscaling; field names are Serve's `autoscaling_config` keys."""
+
+    min_replicas: NonNegativeInt = 1
+    max_replicas: PositiveInt = 4
+    target_ongoing_requests: PositiveFloat = 32.0
+    upscale_delay_s: NonNegativeFloat = 30.0
+    downscale_delay_s: NonNegativeFloat = 300.0
+    metrics_interval_s: PositiveFloat = 10.0
+    look_back_period_s: PositiveFloat = 30.0
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling min_replicas ({self.min_replicas}) must be <= "
+                f"max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
+class WorkerDeploymentConfig(_Frozen):
+    """The `LogitpoolWorker` deployment: a fixed replica count OR autoscaling, never both."""
+
+    num_replicas: PositiveInt | None = None
+    """Fixed replica count; None means 1 unless `autoscaling` is set."""
+    autoscaling: AutoscalingConfig | None = None
+    num_gpus: NonNegativeFloat = 0.0
+    num_cpus: NonNegativeFloat = 1.0
+    max_ongoing_requests: PositiveInt | None = None
+    """None = the engine's max_num_seqs; Serve's default (5) would cap the batch."""
+    max_queued_requests: QueueLimit = 256
+
+    @model_validator(mode="after")
+    def _replicas_exclusive(self) -> WorkerDeploymentConfig:
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError(
+                "workers.num_replicas and workers.autoscaling are mutually exclusive; set one"
+            )
+        return self
+
+
+class IngressConfig(_Frozen):
+    """The `LogitpoolIngress` deployment (HTTP + gRPC front end, no model)."""
+
+    num_replicas: PositiveInt = 1
+    num_cpus: NonNegativeFloat = 1.0
+    max_ongoing_requests: PositiveInt = 1024
+    max_queued_requests: QueueLimit = 1024
+
+
+class ServerConfig(_Frozen):
+    """Where Serve's proxies listen."""
+
+    host: str = "127.0.0.1"
+    http_port: Port = 8000
+    grpc_port: Port = 9000
+
+    @model_validator(mode="after")
+    def _ports_distinct(self) -> ServerConfig:
+        if self.http_port == self.grpc_port:
+            raise ValueError(f"http_port and grpc_port must differ, both are {self.http_port}")
+        return self
+
+
+class LogitpoolConfig(_Frozen):
+    """The whole deployment. Build it with `model_validate`, `from_yaml` or `with_overrides`."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    workers: WorkerDeploymentConfig = Field(default_factory=WorkerDeploymentConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    api_keys: tuple[SecretStr, ...] = ()
+    """Accepted bearer keys for in-process use; never written to a Serve config or YAML dump."""
+    api_key_env: str = "LOGITPOOL_API_KEY"
+    """Environment variable the ingress reads at start: comma-separated accepted keys."""
+    app_name: str = Field(default="logitpool", min_length=1)
+    route_prefix: str = "/"
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str) -> str:
+        if not _ENV_NAME.match(value):
+            raise ValueError(f"api_key_env must be an environment variable name, got {value!r}")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_non_empty(cls, value: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        if any(not key.get_secret_value().strip() for key in value):
+            raise ValueError("api_keys must not contain an empty key")
+        return value
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _route_prefix_rooted(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"route_prefix must start with '/', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _worker_admits_full_batch(self) -> LogitpoolConfig:
+        ongoing = self.workers.max_ongoing_requests
+        if ongoing is not None and ongoing < self.engine.max_num_seqs:
+            raise ValueError(
+                f"workers.max_ongoing_requests ({ongoing}) must be >= engine.max_num_seqs "
+                f"({self.engine.max_num_seqs}), or the batch can never fill"
+            )
+        return self
+
+    @property
+    def worker_max_ongoing_requests(self) -> int:
+        """The effective per-replica concurrency of `LogitpoolWorker`."""
+        return self.workers.max_ongoing_requests or self.engine.max_num_seqs
+
+    def resolve_api_keys(self, environ: Mapping[str, str]) -> tuple[str, ...]:
+        """Accepted keys: `api_keys` plus the comma-separated keys in `environ[api_key_env]`.
+
+        Empty means authentication is off.
+        """
+        from_env = (key.strip() for key in environ.get(self.api_key_env, "").split(","))
+        keys = [key.get_secret_value() for key in self.api_keys] + [k for k in from_env if k]
+        return tuple(dict.fromkeys(keys))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> LogitpoolConfig:
+        """Load and validate a YAML file; an empty file gives the defaults."""
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        return cls.model_validate(data)
+
+    def to_yaml(self, *, reveal_secrets: bool = False) -> str:
+        """YAML that `from_yaml` reads back to an equal config.
+
+        `api_keys` are left out unless `reveal_secrets` (a masked value would read back wrong).
+        """
+        data = self.model_dump(mode="json", exclude={"api_keys"})
+        if reveal_secrets and self.api_keys:
+            data["api_keys"] = [key.get_secret_value() for key in self.api_keys]
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def with_overrides(self, **overrides: Any) -> LogitpoolConfig:
+        """A new, revalidated config with `overrides` deep-merged in.
+
+        Nested sections merge key by key (`engine={"model": "gpt2"}` keeps the other engine
+        fields); a dotted key addresses one field (`**{"engine.model": "gpt2"}`).
+        """
+        merged = _deep_merge(self.model_dump(), _expand_dotted(overrides))
+        return type(self).model_validate(merged)
+
+
+def worker_engine_config(cfg: LogitpoolConfig) -> worker.config.EngineConfig:
+    """The engine config a worker replica builds its engine from (processors by FQCN)."""
+    from worker.config import EngineConfig as WorkerEngineConfig
+
+    return WorkerEngineConfig(**cfg.engine.model_dump())
+
+
+def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if isinstance(value, BaseModel):
+            value = value.model_dump()
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        nested = _deep_merge(nested, value)
+    return nested
+
+
+def _deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,60 @@
+"""Errors map to status codes here, and only here (HTTP and gRPC alike). No tracebacks leak."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+from pydantic import ValidationError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from cluster.auth import Unauthenticated
+from worker.async_engine import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailed(Exception):
+    """The engine ended a request with finish_reason `error` (e.g. a processor raised)."""
+
+
+@dataclass(frozen=True)
+class Status:
+    http: int
+    grpc: grpc.StatusCode
+    message: str
+    kind: str
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts)
+
+
+def classify(exc: BaseException) -> Status:
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause if getattr(exc, "cause", None) is not None else None
+        if cause is not None and not isinstance(cause, RayTaskError):
+            return classify(cause)
+    if isinstance(exc, Unauthenticated):
+        return Status(401, grpc.StatusCode.UNAUTHENTICATED, str(exc), "authentication_error")
+    if isinstance(exc, ValidationError):
+        return Status(400, grpc.StatusCode.INVALID_ARGUMENT, _validation_message(exc), "invalid_request_error")
+    if isinstance(exc, ValueError):
+        return Status(400, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_request_error")
+    if isinstance(exc, BackPressureError):
+        return Status(503, grpc.StatusCode.RESOURCE_EXHAUSTED, "server overloaded, retry later", "overloaded")
+    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError,
+                        EngineDeadError)):
+        return Status(503, grpc.StatusCode.UNAVAILABLE, "worker unavailable, retry", "unavailable")
+    if isinstance(exc, TimeoutError):
+        return Status(504, grpc.StatusCode.DEADLINE_EXCEEDED, "request timed out", "timeout")
+    if isinstance(exc, RequestFailed):
+        return Status(500, grpc.StatusCode.INTERNAL, str(exc), "request_failed")
+    logger.exception("unexpected error", exc_info=exc)
+    return Status(500, grpc.StatusCode.INTERNAL, "internal error", "internal_error")

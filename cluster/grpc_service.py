@@ -1,0 +1,81 @@
+"""The gRPC methods of the ingress (Serve's native gRPC proxy maps /Service/Method to them).
+
+Status codes are set on ``grpc_context`` and the exception re-raised: Serve then ends the call
+with that code (returning normally after set_code would end a stream with OK, truncated).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+from ray.serve.grpc_util import RayServegRPCContext
+
+from client.pb.logitpool.v1 import logitpool_pb2 as pb
+from cluster.errors import classify
+from cluster.grpc_convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
+from worker.outputs import OutputAccumulator
+
+
+def _authorization(ctx: RayServegRPCContext) -> str | None:
+    for key, value in ctx.invocation_metadata() or ():
+        if key.lower() == "authorization":
+            return value
+    return None
+
+
+class GrpcMethods:
+    """Mixed into the ingress; relies on its check_request / stream_deltas / run / api_keys."""
+
+    def _fail(self: Any, ctx: RayServegRPCContext, exc: BaseException) -> BaseException:
+        status = classify(exc)
+        self.metrics.request("grpc", status.grpc.name)
+        ctx.set_code(status.grpc)
+        ctx.set_details(status.message)
+        return exc
+
+    def _prepare(self: Any, request: pb.GenerateRequest, ctx: RayServegRPCContext) -> tuple[str, list[int], Any]:
+        self.api_keys.check(_authorization(ctx))
+        params = sampling_params_from_pb(request.params)
+        (ids,) = self.check_request(params, [prompt_from_pb(request)])
+        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        return rid, ids, params
+
+    async def Generate(self: Any, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
+        try:
+            rid, ids, params = self._prepare(request, grpc_context)
+            out = await self.run(rid, ids, params)
+        except Exception as exc:
+            raise self._fail(grpc_context, exc) from None
+        self.metrics.request("grpc", "OK", [out])
+        return response_pb(rid, out, self.decode_token)
+
+    async def GenerateStream(
+        self: Any, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        try:
+            rid, ids, params = self._prepare(request, grpc_context)
+        except Exception as exc:
+            raise self._fail(grpc_context, exc) from None
+        acc = OutputAccumulator()
+        try:
+            async for delta in self.stream_deltas(rid, ids, params):
+                total = acc.add(delta)
+                yield delta_pb(rid, delta, self.decode_token, usage=total if delta.finished else None)
+        except Exception as exc:
+            raise self._fail(grpc_context, exc) from None
+        self.metrics.request("grpc", "OK")
+
+    async def ListProcessors(self: Any, request: pb.ListProcessorsRequest, grpc_context: RayServegRPCContext) -> pb.ListProcessorsResponse:
+        try:
+            self.api_keys.check(_authorization(grpc_context))
+        except Exception as exc:
+            raise self._fail(grpc_context, exc) from None
+        return processors_pb(self.processors.describe())
+
+    async def Check(self: Any, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext) -> health_pb2.HealthCheckResponse:
+        serving = await self.workers_ready()
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)

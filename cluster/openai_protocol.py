@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP schema (plus vLLM's extra sampling fields) and its conversion.
+
+Request bodies are converted once, here, to ``worker.SamplingParams``; responses are built here
+from the engine's ``RequestOutput``. Unknown body fields are ignored, as OpenAI-compatible
+servers do, so newer SDKs keep working.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker.outputs import CompletionOutput, RequestOutput
+from worker.sampling_params import SamplingParams
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    logprobs_mode: str | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"n": self.n}
+        for name in (
+            "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
+            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
+            "allowed_token_ids", "skip_special_tokens", "logprobs_mode",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        if self.stop is not None:
+            kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.logit_bias is not None:
+            # OpenAI clamps biases to [-100, 100]; keys are token ids as strings.
+            kw["logit_bias"] = {
+                k: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) for k, v in self.logit_bias.items()
+            }
+        if self.vllm_xargs is not None and self.extra_args is not None:
+            raise ValueError("vllm_xargs: give either vllm_xargs or extra_args, not both")
+        xargs = self.vllm_xargs if self.vllm_xargs is not None else self.extra_args
+        if xargs is not None:
+            kw["extra_args"] = dict(xargs)
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        kw = self._sampling_kwargs()
+        if self.max_tokens is not None:
+            kw["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            kw["logprobs"] = self.logprobs
+        return SamplingParams(**kw)
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt: must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"messages: content part type {part.get('type')!r} is not supported (text only)")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        kw = self._sampling_kwargs()
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if max_tokens is not None:
+            kw["max_tokens"] = max_tokens
+        if self.logprobs:
+            kw["logprobs"] = self.top_logprobs or 0
+        elif self.top_logprobs:
+            raise ValueError("top_logprobs: requires logprobs=true")
+        return SamplingParams(**kw)
+
+
+# -- chat template -------------------------------------------------------------------------
+
+# Used when the tokenizer has no chat template of its own (documented in the README).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
+)
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> str:
+    msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, chat_template=template)
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(c: CompletionOutput, decode: Any) -> dict[str, Any] | None:
+    """OpenAI's legacy completions logprobs object."""
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, top = [], [], []
+    for tok, position in zip(c.token_ids, c.logprobs):
+        tokens.append(decode(tok))
+        token_logprobs.append(position[tok].logprob)
+        top.append({decode(t): lp.logprob for t, lp in position.items()})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": []}
+
+
+def chat_logprobs(c: CompletionOutput, decode: Any, top_n: int) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tok, position in zip(c.token_ids, c.logprobs):
+        text = decode(tok)
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
+        content.append({
+            "token": text,
+            "logprob": position[tok].logprob,
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": decode(t), "logprob": lp.logprob, "bytes": list(decode(t).encode())} for t, lp in ranked
+            ],
+        })
+    return {"content": content}
+
+
+def _finish(c: CompletionOutput) -> str | None:
+    return c.finish_reason
+
+
+def completion_response(
+    rid: str, model: str, outs: list[RequestOutput], decode: Any
+) -> dict[str, Any]:
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, out in enumerate(outs):
+        prompt_tokens += len(out.prompt_token_ids)
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({
+                "index": i * len(out.outputs) + c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c, decode),
+                "finish_reason": _finish(c),
+            })
+    return {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chat_response(
+    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int
+) -> dict[str, Any]:
+    choices = [{
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": chat_logprobs(c, decode, top_n),
+        "finish_reason": _finish(c),
+    } for c in out.outputs]
+    n_out = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": choices, "usage": usage(len(out.prompt_token_ids), n_out),
+    }
+
+
+def completion_chunk(rid: str, model: str, c: CompletionOutput, decode: Any, index_base: int = 0) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{
+            "index": index_base + c.index, "text": c.text,
+            "logprobs": completion_logprobs(c, decode), "finish_reason": _finish(c),
+        }],
+    }
+
+
+def chat_chunk(
+    rid: str, model: str, c: CompletionOutput, decode: Any, top_n: int, first: bool
+) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": c.text}
+    if first:
+        delta["role"] = "assistant"
+    return {
+        "id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+        "choices": [{
+            "index": c.index, "delta": delta,
+            "logprobs": chat_logprobs(c, decode, top_n), "finish_reason": _finish(c),
+        }],
+    }
+
+
+def usage_chunk(rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, int]) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": u}

@@ -1,0 +1,62 @@
+"""The worker deployment: each replica is a Ray actor owning one engine.
+
+One model, one persistent batch, one processor registry, one sampler per replica; the engine
+loop runs in the background and every request streams its per-step deltas back to the ingress.
+Processors arrive as FQCN strings inside the engine config, at start-up only.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from worker.async_engine import AsyncEngine
+from worker.config import EngineConfig
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+
+# How many received request ids a replica remembers (for operators and tests).
+_SEEN_IDS = 10_000
+
+
+class LogitpoolWorker:
+    def __init__(self, engine: dict[str, Any]) -> None:
+        self.config = EngineConfig(**engine)
+        self.engine = AsyncEngine(self.config)
+        self._seen: collections.deque[str] = collections.deque(maxlen=_SEEN_IDS)
+        self._num_requests = 0
+
+    async def generate(
+        self, request_id: str, prompt: list[int] | str, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream delta RequestOutputs; cancelling the call aborts the request."""
+        self._seen.append(request_id)
+        self._num_requests += 1
+        async for out in self.engine.generate(request_id, prompt, params, delta=True):
+            yield out
+
+    def received(self) -> list[str]:
+        """Request ids this replica was asked to run (most recent last)."""
+        return list(self._seen)
+
+    def info(self) -> dict[str, Any]:
+        ctx = serve.get_replica_context()
+        return {
+            "replica_id": ctx.replica_id.unique_id,
+            "pid": os.getpid(),
+            "num_requests": self._num_requests,
+            "num_running": self.engine.num_running,
+            "kv_cache_bytes": self.engine.engine.runner.kv_cache_bytes,
+            "processors": [p["fqcn"] for p in self.engine.engine.processors.describe()],
+        }
+
+    async def check_health(self) -> None:
+        if self.engine._dead is not None:
+            raise RuntimeError(f"engine loop stopped: {self.engine._dead!r}")
+
+
+WorkerDeployment = serve.deployment(name="LogitpoolWorker")(LogitpoolWorker)

@@ -1,0 +1,185 @@
+{{/* Names and labels. */}}
+{{- define "logitpool.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Release-scoped name; short, because KubeRay derives longer names from it. */}}
+{{- define "logitpool.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "logitpool.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "logitpool.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "logitpool.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "logitpool.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "logitpool.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* The Secret holding accepted API keys, or "" when the API is open. */}}
+{{- define "logitpool.apiKeySecretName" -}}
+{{- if .Values.apiKey.existingSecret -}}
+{{- .Values.apiKey.existingSecret -}}
+{{- else if .Values.apiKey.value -}}
+{{- printf "%s-api-key" (include "logitpool.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment variable the ingress reads its API keys from (LogitpoolConfig.api_key_env). */}}
+{{- define "logitpool.apiKeyEnv" -}}LOGITPOOL_API_KEY{{- end -}}
+
+{{/* Environment shared by every Ray container. */}}
+{{- define "logitpool.env" -}}
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+{{- if eq .Values.ray.authMode "disabled" }}
+# Ray >= 2.60 turns token auth on by default for a fresh cluster; say "disabled" explicitly.
+- name: RAY_AUTH_MODE
+  value: disabled
+{{- end }}
+{{- with (include "logitpool.apiKeySecretName" .) }}
+- name: {{ include "logitpool.apiKeyEnv" $ }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.apiKey.secretKey }}
+{{- end }}
+{{- with .Values.model.hfTokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.model.hfTokenSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{/* Checks JSON Schema cannot express; the same rules as cluster/config.py. */}}
+{{- define "logitpool.validate" -}}
+{{- $w := .Values.workers -}}
+{{- if and $w.autoscaling.enabled (gt (int $w.autoscaling.minReplicas) (int $w.autoscaling.maxReplicas)) -}}
+{{- fail (printf "workers.autoscaling.minReplicas (%v) must be <= maxReplicas (%v)" $w.autoscaling.minReplicas $w.autoscaling.maxReplicas) -}}
+{{- end -}}
+{{- if and (not (kindIs "invalid" $w.maxOngoingRequests)) (lt (int $w.maxOngoingRequests) (int .Values.engine.maxNumSeqs)) -}}
+{{- fail (printf "workers.maxOngoingRequests (%v) must be >= engine.maxNumSeqs (%v)" $w.maxOngoingRequests .Values.engine.maxNumSeqs) -}}
+{{- end -}}
+{{- if lt (int .Values.engine.maxNumBatchedTokens) (int .Values.engine.maxNumSeqs) -}}
+{{- fail (printf "engine.maxNumBatchedTokens (%v) must be >= engine.maxNumSeqs (%v)" .Values.engine.maxNumBatchedTokens .Values.engine.maxNumSeqs) -}}
+{{- end -}}
+{{- if eq (int .Values.ports.http) (int .Values.ports.grpc) -}}
+{{- fail "ports.http and ports.grpc must differ" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Serve config (RayService serveConfigV2). It must equal cluster.serve_config.serve_config()
+of the equivalent LogitpoolConfig: tests/deploy/test_helm_chart.py compares the two.
+*/}}
+{{- define "logitpool.serveConfig" -}}
+{{- $v := .Values -}}
+{{- $w := $v.workers -}}
+{{- $a := $w.autoscaling -}}
+{{- $workerOngoing := $w.maxOngoingRequests | default $v.engine.maxNumSeqs -}}
+proxy_location: EveryNode
+http_options:
+  host: 0.0.0.0
+  port: {{ $v.ports.http | toJson }}
+grpc_options:
+  port: {{ $v.ports.grpc | toJson }}
+  grpc_servicer_functions:
+    - client.pb.logitpool.v1.logitpool_pb2_grpc.add_LogitPoolServicer_to_server
+    - grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server
+applications:
+  - name: logitpool
+    route_prefix: /
+    import_path: cluster.app:app_builder
+    args:
+      engine:
+        model: {{ $v.model.name | toJson }}
+        dtype: {{ $v.model.dtype | toJson }}
+        device: null
+        max_num_seqs: {{ $v.engine.maxNumSeqs | toJson }}
+        max_num_batched_tokens: {{ $v.engine.maxNumBatchedTokens | toJson }}
+        max_model_len: {{ $v.model.maxModelLen | toJson }}
+        max_logprobs: {{ $v.engine.maxLogprobs | toJson }}
+        seed: {{ $v.engine.seed | toJson }}
+        logits_processors: {{ $v.logitsProcessors | toJson }}
+      workers:
+        {{- if $a.enabled }}
+        num_replicas: null
+        autoscaling:
+          {{- include "logitpool.autoscalingConfig" . | nindent 10 }}
+        {{- else }}
+        num_replicas: {{ $w.replicas | toJson }}
+        autoscaling: null
+        {{- end }}
+        num_gpus: {{ $w.gpus | toJson }}
+        num_cpus: {{ $w.cpus | toJson }}
+        max_ongoing_requests: {{ $w.maxOngoingRequests | toJson }}
+        max_queued_requests: {{ $w.maxQueuedRequests | toJson }}
+      ingress:
+        num_replicas: {{ $v.ingress.replicas | toJson }}
+        num_cpus: {{ $v.ingress.cpus | toJson }}
+        max_ongoing_requests: {{ $v.ingress.maxOngoingRequests | toJson }}
+        max_queued_requests: {{ $v.ingress.maxQueuedRequests | toJson }}
+      server:
+        host: 0.0.0.0
+        http_port: {{ $v.ports.http | toJson }}
+        grpc_port: {{ $v.ports.grpc | toJson }}
+      api_key_env: {{ include "logitpool.apiKeyEnv" . }}
+      app_name: logitpool
+      route_prefix: /
+    deployments:
+      - name: LogitpoolWorker
+        {{- if $a.enabled }}
+        autoscaling_config:
+          {{- include "logitpool.autoscalingConfig" . | nindent 10 }}
+        {{- else }}
+        num_replicas: {{ $w.replicas | toJson }}
+        {{- end }}
+        max_ongoing_requests: {{ $workerOngoing | toJson }}
+        max_queued_requests: {{ $w.maxQueuedRequests | toJson }}
+        ray_actor_options:
+          num_cpus: {{ $w.cpus | toJson }}
+          num_gpus: {{ $w.gpus | toJson }}
+      - name: LogitpoolIngress
+        num_replicas: {{ $v.ingress.replicas | toJson }}
+        max_ongoing_requests: {{ $v.ingress.maxOngoingRequests | toJson }}
+        max_queued_requests: {{ $v.ingress.maxQueuedRequests | toJson }}
+        ray_actor_options:
+          num_cpus: {{ $v.ingress.cpus | toJson }}
+{{- end -}}
+
+{{- define "logitpool.autoscalingConfig" -}}
+{{- $a := .Values.workers.autoscaling -}}
+min_replicas: {{ $a.minReplicas | toJson }}
+max_replicas: {{ $a.maxReplicas | toJson }}
+target_ongoing_requests: {{ $a.targetOngoingRequests | toJson }}
+upscale_delay_s: {{ $a.upscaleDelayS | toJson }}
+downscale_delay_s: {{ $a.downscaleDelayS | toJson }}
+metrics_interval_s: {{ $a.metricsIntervalS | toJson }}
+look_back_period_s: {{ $a.lookBackPeriodS | toJson }}
+{{- end -}}
+
+{{/* Pod-level scheduling for one group: nodeSelector and tolerations. */}}
+{{- define "logitpool.podScheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,58 @@
+"""EngineConfig: the one typed configuration of a worker's engine.
+
+This is also the ``config`` object every logits processor receives in ``__init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from worker.sampling_params import DEFAULT_MAX_LOGPROBS
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Local path or hub id; None = the embedded tiny model, built on first use.
+    model: str | None = None
+    dtype: str = "auto"
+    # None = CUDA when available, else CPU.
+    device: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # None = the model's own context length (capped at 4096 to keep the KV slab bounded).
+    max_model_len: int | None = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # Seeds the engine's generator for unseeded requests.
+    seed: int = 0
+    # FQCN strings ("pkg.mod:Class") or class objects, after the built-ins and entry points.
+    logits_processors: tuple[str | type, ...] = field(default_factory=tuple)
+    # Load processors registered under the `logitpool.logits_processors` entry-point group.
+    load_entry_points: bool = True
+    # Reorder the persistent batch with SWAP moves so rows that will finish first sit at the
+    # tail, where removing them needs no condense moves.
+    reorder_batch: bool = True
+
+    def as_kwargs(self) -> dict[str, object]:
+        """Plain fields for another process (processors by name only: no code travels)."""
+        from dataclasses import asdict
+
+        kw = asdict(self)
+        for p in self.logits_processors:
+            if not isinstance(p, str):
+                raise ValueError(f"logits_processors: {p!r} must be given by FQCN to cross processes")
+        kw["logits_processors"] = list(self.logits_processors)
+        return kw
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, Path):
+            object.__setattr__(self, "model", str(self.model))
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")

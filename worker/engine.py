@@ -1,0 +1,308 @@
+"""LLMEngine: the continuous-batching loop a worker runs.
+
+One ``step()`` reads top to bottom: schedule → persistent-batch update → every processor's
+``update_state`` → one forward over all rows → sampler → append tokens to the live output lists →
+detect finished sequences → hand out deltas. ``add_request`` / ``abort_request`` may be called from
+another thread: they go through an inbox the step drains first, so the step thread alone touches
+engine state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.batch import PersistentBatch
+from worker.config import EngineConfig
+from worker.detokenizer import IncrementalDetokenizer, rust_tokenizer
+from worker.logits_processor.errors import ProcessorError
+from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
+from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model
+from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
+from worker.reorder import tail_swaps
+from worker.request import Request
+from worker.runner import ModelRunner, ScheduledSeq
+from worker.sampler import Sampler, SamplerOutput
+from worker.sampling_params import SamplingParams
+from worker.scheduler import ScheduledChunk, Scheduler
+from worker.validation import Prompt, RequestValidator
+
+logger = logging.getLogger(__name__)
+
+_NO_FINITE_LOGIT = (
+    "no token has a finite logit after processing (allowed_token_ids, bad_words, logit_bias "
+    "and the logits processors excluded every token)"
+)
+
+
+
+@dataclass
+class _Parent:
+    """The user's request: one prompt, ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    dirty: set[int] = field(default_factory=set)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if loaded is None:
+            model = config.model or str(build_tiny_model(default_model_path()))
+            loaded = load_model(model, device=config.device, dtype=config.dtype)
+        self.loaded = loaded
+        self.device = loaded.device
+        self.tokenizer = loaded.tokenizer
+        self._backend = rust_tokenizer(loaded.tokenizer)
+        self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.pin_memory = self.device.type == "cuda"
+        self.runner = ModelRunner(loaded, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+        logger.info(
+            "KV storage: %.1f MiB for %d sequences x %d tokens",
+            self.runner.kv_cache_bytes / 2**20, config.max_num_seqs, self.max_model_len,
+        )
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            allocate_slot=self.runner.allocate_slot,
+            free_slot=self.runner.free_slot,
+        )
+        self._build_batch_state()
+        self._parents: dict[str, _Parent] = {}
+        self._requests: dict[str, Request] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._num_pending = 0
+        self.num_steps = 0
+        self.num_condense_moves = 0
+        self.num_swaps = 0
+
+    def _build_batch_state(self) -> None:
+        """Fresh persistent batch, processors and sampler (at start, and after a processor failed)."""
+        self.processors: LogitsProcessors = build_logits_processors(
+            self.config, self.device, self.pin_memory,
+            custom=self.config.logits_processors, entry_points=self.config.load_entry_points,
+        )
+        self.batch = PersistentBatch(self.config.max_num_seqs, device=self.device, pin_memory=self.pin_memory)
+        self.sampler = Sampler(self.processors, generator=self.generator)
+        self.validator = RequestValidator(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.config.max_logprobs, self.processors
+        )
+
+    # -- requests in -------------------------------------------------------------------
+
+    def validate(self, params: SamplingParams) -> None:
+        """Standard validation plus every loaded processor's ``validate_params`` (ValueError)."""
+        self.validator.validate(params)
+
+    def prepare(self, request_id: str | None, prompt: Prompt, params: SamplingParams) -> _Parent:
+        """Validate and build a request without admitting it (so a batch can be checked first)."""
+        self.validate(params)
+        ids = self.validator.tokenize(prompt)
+        request_id = request_id or uuid.uuid4().hex
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = _child_params(params, i)
+            child_params.update_from_tokenizer(self.tokenizer, self.eos_token_ids)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            detok = IncrementalDetokenizer(
+                self._backend, ids, stop=child_params.stop, skip_special_tokens=child_params.skip_special_tokens
+            )
+            children.append(Request(child_id, request_id, i, ids, child_params, detok))
+        return _Parent(request_id, prompt if isinstance(prompt, str) else None, ids, children)
+
+    def add_prepared(self, parent: _Parent) -> None:
+        self._num_pending += 1
+        self._inbox.put(("add", parent))
+
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams) -> str:
+        parent = self.prepare(request_id, prompt, params)
+        self.add_prepared(parent)
+        return parent.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents) or self._num_pending > 0 or not self._inbox.empty()
+
+    @property
+    def num_running(self) -> int:
+        return self.batch.num_reqs
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                assert isinstance(item, _Parent)
+                self._num_pending -= 1
+                if item.request_id in self._parents:
+                    for child in item.children:
+                        child.finish(FinishReason.ERROR, error=f"duplicate request id {item.request_id!r}")
+                    continue
+                self._parents[item.request_id] = item
+                for child in item.children:
+                    self._requests[child.request_id] = child
+                    self.scheduler.add(child)
+            elif kind == "abort":
+                parent = self._parents.get(str(item))
+                for child in parent.children if parent else ():
+                    self._finish(child, FinishReason.ABORT)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return one delta RequestOutput per request that changed."""
+        self._drain_inbox()
+        sched = self.scheduler.schedule()
+        joining = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in sched.joining]
+        try:
+            update = self.batch.update(sched.finished_ids, joining, swaps=self._swaps)
+            for req in sched.joining:
+                req.in_batch = True
+            if update is not None:
+                self.num_condense_moves += sum(1 for m in update.moved if m[2].name == "UNIDIRECTIONAL")
+                self.num_swaps += sum(1 for m in update.moved if m[2].name == "SWAP")
+            self.processors.update_state(update)
+        except ProcessorError as exc:
+            self._fail_batch(exc)
+            return self._collect_outputs()
+        rows = [sched.chunks[rid] for rid in self.batch.req_ids]
+        partial = [c for c in sched.chunks.values() if not c.sample]
+        if rows or partial:
+            seqs = [ScheduledSeq(c.request.slot, c.token_ids, c.start_pos, c.sample) for c in rows + partial]
+            logits = self.runner.execute(seqs)
+            for c in rows + partial:
+                c.request.num_computed_tokens = c.start_pos + len(c.token_ids)
+            self.num_steps += 1
+        if rows:
+            try:
+                out = self.sampler(logits, self.batch.sampling_metadata())
+            except ProcessorError as exc:
+                self._fail_batch(exc)
+                return self._collect_outputs()
+            self._append_samples(rows, out)
+        return self._collect_outputs()
+
+    def _swaps(self, order: list[str]) -> list[tuple[int, int]]:
+        if not self.config.reorder_batch:
+            return []
+        return tail_swaps(order, lambda rid: self._requests[rid].remaining_tokens)
+
+    def _append_samples(self, rows: list[ScheduledChunk], out: SamplerOutput) -> None:
+        tokens = out.sampled_token_ids.tolist()
+        errors = out.errors.tolist()
+        lp = out.logprobs
+        lp_ids = lp.token_ids.tolist() if lp is not None else None
+        lp_vals = lp.logprobs.tolist() if lp is not None else None
+        lp_ranks = lp.ranks.tolist() if lp is not None else None
+        for row, chunk in enumerate(rows):
+            req = chunk.request
+            if errors[row]:
+                self._finish(req, FinishReason.ERROR, error=_NO_FINITE_LOGIT)
+                continue
+            tok = tokens[row]
+            req.output_token_ids.append(tok)
+            req.new_token_ids.append(tok)
+            if req.logprobs is not None and lp_ids is not None:
+                position = self._position_logprobs(req.params.logprobs or 0, lp_ids[row], lp_vals[row], lp_ranks[row])
+                req.logprobs.append(position)
+                req.new_logprobs.append(position)
+                req.cumulative_logprob = (req.cumulative_logprob or 0.0) + lp_vals[row][0]
+            self._check_stop(req, tok)
+            self._parents[req.parent_id].dirty.add(req.index)
+
+    def _position_logprobs(self, k: int, ids: list[int], vals: list[float], sampled_rank: int) -> PositionLogprobs:
+        def decode(tok: int) -> str:
+            return self._backend.decode([tok], skip_special_tokens=False)
+
+        position: PositionLogprobs = {ids[0]: Logprob(vals[0], sampled_rank, decode(ids[0]))}
+        for i in range(1, k + 1):
+            if ids[i] not in position:
+                position[ids[i]] = Logprob(vals[i], i, decode(ids[i]))
+        return position
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        past_min = n_out >= p.min_tokens
+        stop_str = req.detokenizer.update(tok, check_stop=past_min)
+        if past_min and tok in p.all_stop_token_ids:
+            self._finish(req, FinishReason.STOP, stop_reason=tok if tok in p.stop_token_ids else None)
+        elif stop_str is not None:
+            self._finish(req, FinishReason.STOP, stop_reason=stop_str)
+        elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, FinishReason.LENGTH)
+
+    def _finish(self, req: Request, reason: FinishReason, **kw: object) -> None:
+        if req.finished:
+            return
+        req.finish(reason, **kw)  # type: ignore[arg-type]
+        self.scheduler.finish(req)
+        self._parents[req.parent_id].dirty.add(req.index)
+
+    def _fail_batch(self, exc: ProcessorError) -> None:
+        """A processor raised: the step's batch ends with `error`; processors restart clean."""
+        logger.warning("%s; failing the %d requests of this step", exc, self.batch.num_reqs)
+        failed = [self._requests[rid] for rid in self.batch.req_ids]
+        for req in failed:
+            self._finish(req, FinishReason.ERROR, error=str(exc))
+        self.scheduler.forget_batch()
+        self._build_batch_state()
+
+    # -- outputs out ---------------------------------------------------------------------
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        outputs = []
+        for parent in list(self._parents.values()):
+            if not parent.dirty:
+                continue
+            deltas = [self._delta(parent.children[i]) for i in sorted(parent.dirty)]
+            parent.dirty.clear()
+            finished = parent.finished
+            outputs.append(RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, deltas, finished))
+            if finished:
+                del self._parents[parent.request_id]
+                for child in parent.children:
+                    self._requests.pop(child.request_id, None)
+        return outputs
+
+    def _delta(self, req: Request) -> CompletionOutput:
+        delta = CompletionOutput(
+            index=req.index,
+            text=req.detokenizer.take_delta(req.finished),
+            token_ids=req.new_token_ids,
+            cumulative_logprob=req.cumulative_logprob,
+            logprobs=req.new_logprobs if req.logprobs is not None else None,
+            finish_reason=str(req.finish_reason) if req.finish_reason else None,
+            stop_reason=req.stop_reason,
+            error=req.error,
+        )
+        req.new_token_ids = []
+        req.new_logprobs = []
+        return delta
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n sequences: same params, n=1, and a distinct seed when seeded (as vLLM)."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

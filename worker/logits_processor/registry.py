@@ -1,0 +1,179 @@
+"""Loading the worker's logits processors at start-up (SPEC §3) and the loaded set.
+
+Order is the pipeline order: the built-ins (AllowedTokenIds, BadWords, MinTokens, LogitBias,
+MinP: SPEC §2.4 steps 3-5), then every entry point of group ``logitpool.logits_processors``
+sorted by name, then the configured ``custom`` ones (FQCN strings or classes) in order. A class
+listed twice loads once, at its first position. Penalties are loaded too but kept apart: the
+sampler applies them at step 6, not through the generic lists.
+
+Declaring ``extra_args``: a processor may set the class attribute
+``extra_args_schema: dict | None`` to a JSON schema of the ``SamplingParams.extra_args`` object it
+reads, e.g. ``{"type": "object", "properties": {"target_token": {"type": "integer"}}}``.
+``LogitsProcessors.describe()`` reports it (and its ``properties`` keys) so front ends and docs
+can list what each processor accepts; validation itself stays in ``validate_params``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Sequence
+from importlib.metadata import entry_points as _installed_entry_points
+from typing import Any
+
+import torch
+
+from worker.logits_processor.builtin import (
+    AllowedTokenIdsLogitsProcessor,
+    BadWordsLogitsProcessor,
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
+from worker.logits_processor.errors import LogitsProcessorLoadError, ProcessorError
+from worker.logits_processor.interface import BatchUpdate, LogitsProcessor
+from worker.logits_processor.penalties import PenaltiesLogitsProcessor
+from worker.sampling_params import SamplingParams
+
+ENTRY_POINT_GROUP = "logitpool.logits_processors"
+
+BUILTIN_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
+    AllowedTokenIdsLogitsProcessor,
+    BadWordsLogitsProcessor,
+    MinTokensLogitsProcessor,
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+)
+
+
+def fqcn_of(cls: type) -> str:
+    """``"dotted.module:ClassName"``, the form ``resolve_processor_class`` accepts."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def resolve_processor_class(spec: str | type) -> type[LogitsProcessor]:
+    """A ``LogitsProcessor`` subclass from an FQCN string or a class object.
+
+    Raises LogitsProcessorLoadError naming the FQCN and the rule it broke.
+    """
+    if isinstance(spec, str):
+        obj = _import_fqcn(spec)
+        name = spec
+    else:
+        obj = spec
+        name = fqcn_of(spec) if inspect.isclass(spec) else repr(spec)
+    if not inspect.isclass(obj):
+        raise LogitsProcessorLoadError(f"logits processor {name!r}: is not a class (got {type(obj).__name__})")
+    if not issubclass(obj, LogitsProcessor):
+        raise LogitsProcessorLoadError(f"logits processor {name!r}: is not a subclass of LogitsProcessor")
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(obj.__abstractmethods__))
+        raise LogitsProcessorLoadError(f"logits processor {name!r}: is abstract (does not implement {missing})")
+    return obj
+
+
+def _import_fqcn(fqcn: str) -> Any:
+    module_name, sep, attr_path = fqcn.partition(":")
+    if not sep or ":" in attr_path or not module_name or not attr_path:
+        raise LogitsProcessorLoadError(
+            f"logits processor {fqcn!r}: bad format, expected 'dotted.module.path:ClassName' with exactly one ':'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise LogitsProcessorLoadError(
+            f"logits processor {fqcn!r}: module {module_name!r} could not be imported ({type(exc).__name__}: {exc})"
+        ) from exc
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise LogitsProcessorLoadError(
+                f"logits processor {fqcn!r}: module {module_name!r} has no attribute {attr_path!r}"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def entry_point_classes() -> list[type[LogitsProcessor]]:
+    """Every installed entry point of ``ENTRY_POINT_GROUP``, sorted by entry-point name."""
+    classes = []
+    for ep in sorted(_installed_entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.name, e.value)):
+        try:
+            classes.append(resolve_processor_class(ep.value))
+        except LogitsProcessorLoadError as exc:
+            raise LogitsProcessorLoadError(f"entry point {ep.name!r} in group {ENTRY_POINT_GROUP!r}: {exc}") from exc
+    return classes
+
+
+class LogitsProcessors:
+    """The loaded, ordered set of processors a worker's sampler runs."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor], penalties: PenaltiesLogitsProcessor) -> None:
+        self.all: list[LogitsProcessor] = list(processors)
+        self.penalties = penalties
+        invariant = [p.is_argmax_invariant() for p in self.all]  # read once, at start-up
+        self.argmax_invariant: list[LogitsProcessor] = [p for p, inv in zip(self.all, invariant) if inv]
+        self.non_argmax_invariant: list[LogitsProcessor] = [p for p, inv in zip(self.all, invariant) if not inv]
+        self._invariant = [*invariant, penalties.is_argmax_invariant()]
+
+    def _every(self) -> list[LogitsProcessor]:
+        return [*self.all, self.penalties]
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Tell every processor (penalties too) how the batch changed."""
+        for p in self._every():
+            try:
+                p.update_state(batch_update)
+            except Exception as exc:
+                raise ProcessorError(type(p).__name__, "update_state", exc) from exc
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Run every loaded class's ``validate_params``; a ValueError propagates unchanged."""
+        for p in self._every():
+            type(p).validate_params(params)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Name, FQCN, argmax invariance and declared ``extra_args`` of every loaded processor."""
+        out = []
+        for p, invariant in zip(self._every(), self._invariant):
+            cls = type(p)
+            schema = getattr(cls, "extra_args_schema", None)
+            props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+            out.append(
+                {
+                    "name": cls.__name__,
+                    "fqcn": fqcn_of(cls),
+                    "argmax_invariant": invariant,
+                    "extra_args": sorted(props),
+                    "extra_args_schema": schema,
+                }
+            )
+        return out
+
+
+def build_logits_processors(
+    config: Any,
+    device: torch.device,
+    is_pin_memory: bool,
+    custom: Sequence[str | type] = (),
+    *,
+    entry_points: bool = True,
+) -> LogitsProcessors:
+    """Instantiate built-ins, then entry points (by name), then ``custom``; each class once."""
+    classes: list[type[LogitsProcessor]] = list(BUILTIN_PROCESSORS)
+    if entry_points:
+        classes += entry_point_classes()
+    classes += [resolve_processor_class(spec) for spec in custom]
+    unique = list(dict.fromkeys(c for c in classes if c is not PenaltiesLogitsProcessor))
+    return LogitsProcessors(
+        [_instantiate(c, config, device, is_pin_memory) for c in unique],
+        _instantiate(PenaltiesLogitsProcessor, config, device, is_pin_memory),
+    )
+
+
+def _instantiate(cls: type[LogitsProcessor], config: Any, device: torch.device, is_pin_memory: bool) -> LogitsProcessor:
+    try:
+        return cls(config, device, is_pin_memory)
+    except Exception as exc:
+        raise LogitsProcessorLoadError(
+            f"logits processor {fqcn_of(cls)!r}: constructor raised {type(exc).__name__}: {exc}"
+        ) from exc

@@ -1,0 +1,83 @@
+"""What the engine hands back: vLLM's field names, so its users feel at home."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    # 1-based rank of the token in its row (1 = the most likely).
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per generated position: token id -> Logprob (the sampled token plus the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the sequence, if any.
+    stop_reason: str | int | None = None
+    # Set when finish_reason == "error".
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+
+class OutputAccumulator:
+    """Merges a request's delta RequestOutputs into the cumulative one (what `LLM` returns)."""
+
+    def __init__(self) -> None:
+        self._out: RequestOutput | None = None
+        self._by_index: dict[int, CompletionOutput] = {}
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        if self._out is None:
+            self._out = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids)
+        for d in delta.outputs:
+            cur = self._by_index.get(d.index)
+            if cur is None:
+                cur = CompletionOutput(d.index, "", [], None, [] if d.logprobs is not None else None)
+                self._by_index[d.index] = cur
+            cur.text += d.text
+            cur.token_ids.extend(d.token_ids)
+            if d.logprobs is not None and cur.logprobs is not None:
+                cur.logprobs.extend(d.logprobs)
+            cur.cumulative_logprob = d.cumulative_logprob
+            cur.finish_reason = d.finish_reason
+            cur.stop_reason = d.stop_reason
+            cur.error = d.error
+        self._out.outputs = [self._by_index[i] for i in sorted(self._by_index)]
+        self._out.finished = delta.finished
+        return self._out

@@ -1,0 +1,199 @@
+"""SamplingParams: what one request asks of the sampler, and its validation (SPEC §2.5).
+
+Field names follow vLLM so that users and ported processors feel at home. Validation that
+needs no model runs in ``__post_init__``; validation that needs the model's vocabulary runs in
+``validate_for_model``. Both raise ``ValueError`` whose message starts with the field name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+_GREEDY_EPS = 1e-5
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+DEFAULT_MAX_LOGPROBS = 20
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _bad(name: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{name}: {rule}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request.
+
+    Greedy means ``temperature < 1e-5``; a greedy request ignores top_k, top_p and min_p.
+    ``extra_args`` is the free-form JSON object custom logits processors read.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    skip_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None
+
+    # Filled by the engine from the tokenizer / generation config before admission
+    # (vLLM does the same): token-id forms of the bad words, and every stop token id
+    # including the model's EOS ids (what Min-tokens masks).
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        self._validate()
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    # -- derived -------------------------------------------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids
+
+    # -- validation ----------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise _bad("n", self.n, "must be an integer >= 1")
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or not 0.0 <= t <= 2.0:
+            raise _bad("temperature", t, "must be a finite number in [0, 2]")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k in (0, -1) or self.top_k >= 1):
+            raise _bad("top_k", self.top_k, "must be 0 or -1 (disabled) or an integer >= 1")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise _bad(name, v, "must be in [-2, 2]")
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0.0:
+            raise _bad("repetition_penalty", r, "must be a finite number > 0")
+        if self.seed is not None and not _is_int(self.seed):
+            raise _bad("seed", self.seed, "must be an integer")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                raise _bad("stop", s, "stop strings must be non-empty strings")
+        for w in self.bad_words:
+            if not isinstance(w, str) or w.strip() == "":
+                raise _bad("bad_words", w, "bad words must be non-empty strings")
+        for tok in self.stop_token_ids:
+            if not _is_int(tok) or tok < 0:
+                raise _bad("stop_token_ids", tok, "token ids must be integers >= 0")
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise _bad("allowed_token_ids", self.allowed_token_ids, "must not be empty")
+            for tok in self.allowed_token_ids:
+                if not _is_int(tok) or tok < 0:
+                    raise _bad("allowed_token_ids", tok, "token ids must be integers >= 0")
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if tok < 0:
+                    raise _bad("logit_bias", tok, "token ids must be integers >= 0")
+                if not _is_number(bias) or not math.isfinite(bias):
+                    raise _bad("logit_bias", bias, f"bias of token {tok} must be a finite number")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise _bad("logprobs", self.logprobs, "must be an integer >= 0")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise _bad("extra_args", self.extra_args, "must be a JSON object (dict)")
+
+    def validate_for_model(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """Checks that need the model: token ids inside the vocabulary, the logprobs cap."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("logit_bias", (self.logit_bias or {}).keys()),
+        ):
+            for tok in ids:
+                if tok >= vocab_size:
+                    raise _bad(name, tok, f"token id out of vocabulary (vocab_size={vocab_size})")
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise _bad("logprobs", self.logprobs, f"must be <= {max_logprobs}")
+
+    # -- engine-side completion ----------------------------------------------------------
+
+    def update_from_tokenizer(self, tokenizer: Any, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+        """Tokenize bad words (bare and with a leading space, both kept) and collect stop ids.
+
+        ``tokenizer`` needs only ``encode(text, add_special_tokens=False) -> list[int]``.
+        """
+        words: list[list[int]] = []
+        for word in self.bad_words:
+            for form in (word.lstrip(), " " + word.lstrip()):
+                ids = list(tokenizer.encode(form, add_special_tokens=False))
+                if ids and ids not in words:
+                    words.append(ids)
+        self._bad_words_token_ids = words
+        stops = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            stops |= set(eos_token_ids)
+        self._all_stop_token_ids = stops
+
+
+def _token_key(k: Any) -> int:
+    """logit_bias keys arrive as strings over JSON; anything not an integer is rejected."""
+    if _is_int(k):
+        return k
+    if isinstance(k, str):
+        try:
+            return int(k)
+        except ValueError:
+            pass
+    raise _bad("logit_bias", k, "keys must be integer token ids")

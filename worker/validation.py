@@ -1,0 +1,43 @@
+"""Request validation shared by the engine and the serving ingress (which has no model loaded).
+
+Standard rules (SPEC §2.5, in SamplingParams) + vocabulary/context checks + every loaded
+processor's ``validate_params``; each failure is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from worker.logits_processor.registry import LogitsProcessors
+from worker.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class RequestValidator:
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    processors: LogitsProcessors
+
+    def validate(self, params: SamplingParams) -> None:
+        params.validate_for_model(self.vocab_size, self.max_logprobs)
+        self.processors.validate_params(params)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate (max_model_len={self.max_model_len})"
+            )
+        return ids
