@@ -22,7 +22,7 @@ from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer, rust_tokenizer
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
-from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model
+from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
 from worker.reorder import tail_swaps
 from worker.request import Request
@@ -68,7 +68,7 @@ class LLMEngine:
         self._backend = rust_tokenizer(loaded.tokenizer)
         self.vocab_size = loaded.vocab_size
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.max_model_len)
         self.pin_memory = self.device.type == "cuda"
         self.runner = ModelRunner(loaded, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         logger.info(

@@ -315,3 +315,24 @@ def build_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+# --------------------------------------------------------------------------- limits
+
+# Without an explicit max_model_len, KV is sized for at most this many tokens per sequence:
+# a 128k-context model times max_num_seqs slots would not fit anywhere.
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+
+
+def resolve_max_model_len(configured: int | None, model_max: int) -> int:
+    if configured is not None and configured > model_max:
+        raise ValueError(f"max_model_len: {configured} exceeds the model's context ({model_max})")
+    return configured if configured is not None else min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
+
+
+def model_limits(model: str | Path, max_model_len: int | None = None) -> tuple[int, int]:
+    """(vocab_size, max_model_len) from the config alone, for processes that load no weights."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(str(model)).get_text_config()
+    return int(text.vocab_size), resolve_max_model_len(max_model_len, int(text.max_position_embeddings))

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from tests.worker.model_fixtures import tiny_model  # noqa: F401  (session fixture)
 from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model, unsupported_reason
 
 SMALL = {"vocab_size": 600, "hidden_size": 64, "num_layers": 1, "intermediate_size": 128}

@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.worker.model_fixtures import tiny_model  # noqa: F401  (session fixture)
 from worker.models import LoadedModel, load_model
 from worker.runner import ModelRunner, ScheduledSeq
 

@@ -1,0 +1,38 @@
+"""Shared fixtures: the tiny real model (built once, cached on disk) and one Ray cluster per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PLUGIN_SITE = REPO_ROOT / "tests" / "fixtures" / "plugin_site"
+
+from tests.worker.model_fixtures import tiny_loaded, tiny_model, tiny_model_dir, tiny_model_path  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session (tests/fixtures importable in its workers)."""
+    import ray
+
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_AUTH_MODE": "disabled",
+                                  "LOGITPOOL_CACHE": os.environ.get("LOGITPOOL_CACHE", "")}},
+    )
+    yield ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

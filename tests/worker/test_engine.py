@@ -1,0 +1,331 @@
+"""The engine end to end on the real tiny model: greedy equivalence under churn, every sampling
+feature through `LLM`, custom processors loaded three ways, failure isolation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import PLUGIN_SITE
+from tests.fixtures.seed_processors import DummyLogitsProcessor, WrappedPerReqLogitsProcessor
+from worker import LLM, SamplingParams
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.outputs import OutputAccumulator
+
+DUMMY_FQCN = "tests.fixtures.seed_processors:DummyLogitsProcessor"
+
+
+def make_llm(loaded, **kw) -> LLM:
+    kw.setdefault("max_num_seqs", 16)
+    kw.setdefault("load_entry_points", False)
+    return LLM(loaded=loaded, **kw)
+
+
+def prompts_of(loaded, n: int, lo: int = 5, hi: int = 60, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(torch.randint(10, loaded.vocab_size, (length,), generator=g).tolist())
+    return out
+
+
+def hf_greedy(loaded, prompt: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
+    model = loaded.model
+    ids = torch.tensor([prompt], device=loaded.device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+            min_new_tokens=max_new,
+        )
+    return out.sequences[0, len(prompt):].tolist(), [l[0].float() for l in out.logits]
+
+
+def test_greedy_equivalence_under_churn(tiny_model):
+    """Requests of different lengths join mid-flight; condense moves and swaps happen; every
+    request equals an independent HF generate(), token for token, logprobs within tolerance."""
+    engine = LLMEngine(
+        EngineConfig(max_num_seqs=6, max_num_batched_tokens=48, load_entry_points=False), loaded=tiny_model
+    )
+    prompts = prompts_of(tiny_model, 14, seed=1)
+    max_new = [3 + (i * 7) % 17 for i in range(len(prompts))]
+    accs: dict[str, OutputAccumulator] = {}
+    results = {}
+
+    def add(i: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_new[i], ignore_eos=True, logprobs=0)
+        rid = engine.add_request(f"r{i}", prompts[i], params)
+        accs[rid] = OutputAccumulator()
+
+    for i in range(4):
+        add(i)
+    nxt, steps = 4, 0
+    while engine.has_unfinished() or nxt < len(prompts):
+        if nxt < len(prompts) and steps % 3 == 2:  # join mid-flight
+            add(nxt)
+            nxt += 1
+        for delta in engine.step():
+            out = accs[delta.request_id].add(delta)
+            if out.finished:
+                results[delta.request_id] = out
+        steps += 1
+        assert steps < 2000
+    assert engine.num_condense_moves > 0, "the scenario must exercise condense moves"
+    assert engine.num_swaps > 0, "the scenario must exercise SWAP moves"
+    for i, prompt in enumerate(prompts):
+        out = results[f"r{i}"].outputs[0]
+        ref_tokens, ref_logits = hf_greedy(tiny_model, prompt, max_new[i])
+        assert out.token_ids == ref_tokens, f"request {i}"
+        assert out.finish_reason == "length"
+        for pos, (tok, logits) in enumerate(zip(out.token_ids, ref_logits)):
+            ref_lp = torch.log_softmax(logits, -1)[tok].item()
+            assert out.logprobs[pos][tok].logprob == pytest.approx(ref_lp, abs=2e-4)
+
+
+@pytest.mark.parametrize("how", ["fqcn", "class", "entry_point"])
+def test_seed_dummy_processor_end_to_end(tiny_model, how, monkeypatch):
+    if how == "entry_point":
+        monkeypatch.syspath_prepend(str(PLUGIN_SITE))
+        llm = make_llm(tiny_model, load_entry_points=True)
+    else:
+        llm = make_llm(tiny_model, logits_processors=[DUMMY_FQCN if how == "fqcn" else DummyLogitsProcessor])
+    names = [type(p).__name__ for p in llm.engine.processors.all]
+    assert "DummyLogitsProcessor" in names
+    prompts = prompts_of(tiny_model, 4, seed=2)
+    target = 67
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra_args={"target_token": target}),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True, extra_args={"target_token": 5}),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    ]
+    outs = llm.generate(prompts, params)
+    assert outs[0].outputs[0].token_ids == [target] * 8
+    assert outs[2].outputs[0].token_ids == [5] * 8
+    baseline = make_llm(tiny_model).generate([prompts[1], prompts[3]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert outs[1].outputs[0].token_ids == baseline[0].outputs[0].token_ids
+    assert outs[3].outputs[0].token_ids == baseline[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="target_token"):
+        llm.generate(prompts[0], SamplingParams(extra_args={"target_token": "abc"}))
+
+
+def test_adapter_wrapped_request_level_processor(tiny_model):
+    llm = make_llm(tiny_model, logits_processors=[WrappedPerReqLogitsProcessor])
+    prompts = prompts_of(tiny_model, 2, seed=3)
+    outs = llm.generate(prompts, [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args={"target_token": 42}),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    ])
+    assert outs[0].outputs[0].token_ids == [42] * 6
+    ref, _ = hf_greedy(tiny_model, prompts[1], 6)
+    assert outs[1].outputs[0].token_ids == ref
+
+
+def test_seeded_sampling_is_batch_invariant(tiny_model):
+    llm = make_llm(tiny_model, max_num_seqs=32)
+    prompt = prompts_of(tiny_model, 1, seed=4)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompt], params)[0].outputs[0].token_ids
+    others = prompts_of(tiny_model, 30, seed=5)
+    crowd = llm.generate(
+        [*others[:13], prompt, *others[13:]],
+        [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 13 + [params]
+        + [SamplingParams(temperature=0.7, top_k=20, max_tokens=12, ignore_eos=True)] * 17,
+    )
+    assert crowd[13].outputs[0].token_ids == alone
+    other_seed = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=12, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_stop_token_ids_and_min_tokens(tiny_model):
+    llm = make_llm(tiny_model)
+    prompt = prompts_of(tiny_model, 1, seed=6)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop_tok = free.token_ids[4]
+    first = free.token_ids.index(stop_tok)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # min_tokens masks the stop token until min_tokens outputs exist
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 2,
+                                                stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert stop_tok not in out.token_ids[: first + 2]
+    assert len(out.token_ids) >= first + 2
+
+
+def test_stop_strings_are_cut_from_text(tiny_model):
+    llm = make_llm(tiny_model)
+    prompt = prompts_of(tiny_model, 1, seed=7)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]
+    idx = text.index(stop)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:idx]
+    assert stop not in out.text
+
+
+def test_eos_stops_unless_ignored(tiny_model):
+    eos = min(tiny_model.eos_token_ids)
+    llm = make_llm(tiny_model)
+    prompt = prompts_of(tiny_model, 1, seed=8)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, logit_bias={eos: 100.0}))[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                logit_bias={eos: 100.0}))[0].outputs[0]
+    assert out.token_ids == [eos] * 10 and out.finish_reason == "length"
+
+
+def test_bad_words_and_allowed_token_ids(tiny_model):
+    llm = make_llm(tiny_model)
+    tok = tiny_model.tokenizer
+    prompt = prompts_of(tiny_model, 1, seed=9)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    word = tok.decode([free.token_ids[0]]).strip()
+    assert word
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, bad_words=[word]))[0].outputs[0]
+    banned = {ids[-1] for form in (word, " " + word) for ids in [tok.encode(form, add_special_tokens=False)] if len(ids) == 1}
+    assert banned and not banned & set(out.token_ids)
+    allowed = [11, 12, 13]
+    out = llm.generate([prompt], SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True,
+                                                allowed_token_ids=allowed))[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed)
+
+
+def test_no_finite_logit_fails_only_that_request(tiny_model):
+    llm = make_llm(tiny_model)
+    tok = tiny_model.tokenizer
+    word_ids = [i for i in range(50, 200) if len(tok.encode(tok.decode([i]).strip(), add_special_tokens=False)) == 1
+                and tok.decode([i]).strip()][:2]
+    words = [tok.decode([i]).strip() for i in word_ids]
+    only = [tok.encode(w, add_special_tokens=False)[0] for w in words]
+    prompts = prompts_of(tiny_model, 2, seed=10)
+    outs = llm.generate(prompts, [
+        SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=only, bad_words=words),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    ])
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "finite" in outs[0].outputs[0].error
+    assert outs[0].outputs[0].token_ids == []
+    assert len(outs[1].outputs[0].token_ids) == 5 and outs[1].outputs[0].finish_reason == "length"
+
+
+def test_penalties_reduce_repetition(tiny_model):
+    llm = make_llm(tiny_model)
+    prompt = prompts_of(tiny_model, 1, seed=11)[0]
+
+    def run(**kw):
+        return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw))[0].outputs[0].token_ids
+
+    def repeats(ids):
+        return len(ids) - len(set(ids))
+
+    def seen_hits(ids):
+        seen, hits = set(prompt), 0
+        for t in ids:
+            hits += t in seen
+            seen.add(t)
+        return hits
+
+    base = run()
+    assert repeats(base) > 0, "the tiny model's greedy output repeats; penalties must have work to do"
+    assert repeats(run(frequency_penalty=2.0, presence_penalty=2.0)) < repeats(base)
+    assert seen_hits(run(repetition_penalty=5.0)) < seen_hits(base)
+
+
+def test_logprobs_ranks_and_cumulative(tiny_model):
+    llm = make_llm(tiny_model)
+    prompt = prompts_of(tiny_model, 1, seed=12)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 10
+    total = 0.0
+    for tok, position in zip(out.token_ids, out.logprobs):
+        assert len(position) in (3, 4)
+        assert tok in position
+        ranks = sorted(lp.rank for t, lp in position.items() if t != tok)
+        assert ranks == list(range(1, len(ranks) + 1))
+        top = [lp.logprob for t, lp in position.items() if t != tok or position[tok].rank <= 3]
+        assert max(top) >= position[tok].logprob
+        total += position[tok].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_n_greater_than_one(tiny_model):
+    llm = make_llm(tiny_model)
+    prompt = prompts_of(tiny_model, 1, seed=13)[0]
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    seqs = [tuple(c.token_ids) for c in out.outputs]
+    assert all(len(s) == 8 for s in seqs)
+    assert len(set(seqs)) > 1
+    again = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == seqs
+
+
+def test_generate_validates_everything_before_admitting(tiny_model):
+    llm = make_llm(tiny_model, logits_processors=[DUMMY_FQCN])
+    prompts = prompts_of(tiny_model, 3, seed=14)
+    with pytest.raises(ValueError, match="request 2: .*target_token"):
+        llm.generate(prompts, [SamplingParams(), SamplingParams(), SamplingParams(extra_args={"target_token": 1.5})])
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(prompts[0], SamplingParams(logit_bias={tiny_model.vocab_size: 1.0}))
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate(prompts[0], SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[]], SamplingParams())
+
+
+def test_raising_processor_is_isolated(tiny_model):
+    llm = make_llm(tiny_model, logits_processors=["tests.fixtures.seed_processors:RaisingLogitsProcessor"])
+    prompts = prompts_of(tiny_model, 3, seed=15)
+    for phase in ("apply", "update_state"):
+        outs = llm.generate(prompts, [
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args={"raise_in": phase}),
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        ])
+        for out in outs:
+            c = out.outputs[0]
+            assert c.finish_reason == "error"
+            assert "RaisingLogitsProcessor" in c.error and phase in c.error
+        ok = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        ref, _ = hf_greedy(tiny_model, prompts[0], 6)
+        assert ok[0].outputs[0].token_ids == ref
+        assert all(o.outputs[0].finish_reason == "length" for o in ok)
+
+
+def test_abort_frees_row_within_one_step(tiny_model):
+    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    prompts = prompts_of(tiny_model, 2, seed=16)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", p, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.batch.req_ids == ["a0", "a1"] or sorted(engine.batch.req_ids) == ["a0", "a1"]
+    engine.abort_request("a0")
+    outs = engine.step()
+    assert engine.batch.req_ids == ["a1"]
+    aborted = [o for o in outs if o.request_id == "a0"]
+    assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    assert engine.runner.num_free_slots() == 3
+
+
+def test_context_length_finishes_with_length(tiny_model):
+    llm = make_llm(tiny_model, max_model_len=40)
+    prompt = prompts_of(tiny_model, 1, lo=30, hi=31, seed=17)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) == 40
+
+
+def test_text_matches_full_decode(tiny_model):
+    llm = make_llm(tiny_model)
+    tok = tiny_model.tokenizer
+    for prompt in prompts_of(tiny_model, 3, seed=18):
+        out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))[0].outputs[0]
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
