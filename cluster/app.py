@@ -9,6 +9,7 @@ from ray import serve
 
 from cluster.config import LogitpoolConfig, worker_engine_config
 from cluster.ingress import IngressDeployment
+from cluster.serve_config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, deployment_options
 from cluster.worker import WorkerDeployment
 from worker.logits_processor.registry import fqcn_of, resolve_processor_class
 
@@ -40,28 +41,6 @@ def resolve_model(cfg: LogitpoolConfig) -> LogitpoolConfig:
     return cfg.with_overrides(**{"engine.model": str(path)})
 
 
-def deployment_options(cfg: LogitpoolConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Serve options of the worker and ingress deployments (the Serve config file uses the same)."""
-    w = cfg.workers
-    worker: dict[str, Any] = {
-        "max_ongoing_requests": cfg.worker_max_ongoing_requests,
-        "max_queued_requests": w.max_queued_requests,
-        "ray_actor_options": {"num_gpus": w.num_gpus, "num_cpus": w.num_cpus},
-    }
-    if w.autoscaling is not None:
-        worker["autoscaling_config"] = w.autoscaling.model_dump()
-    else:
-        worker["num_replicas"] = w.num_replicas or 1
-    i = cfg.ingress
-    ingress = {
-        "num_replicas": i.num_replicas,
-        "max_ongoing_requests": i.max_ongoing_requests,
-        "max_queued_requests": i.max_queued_requests,
-        "ray_actor_options": {"num_cpus": i.num_cpus},
-    }
-    return worker, ingress
-
-
 def build_app(cfg: LogitpoolConfig, *, processors: Sequence[type] = ()) -> serve.Application:
     if processors:
         cfg = cfg.with_overrides(**{
@@ -69,9 +48,9 @@ def build_app(cfg: LogitpoolConfig, *, processors: Sequence[type] = ()) -> serve
         })
     cfg = resolve_model(cfg)
     engine = worker_engine_config(cfg)
-    worker_opts, ingress_opts = deployment_options(cfg)
-    worker = WorkerDeployment.options(**worker_opts).bind(engine=engine.as_kwargs())
-    return IngressDeployment.options(**ingress_opts).bind(worker, cfg.model_dump())
+    opts = deployment_options(cfg)
+    worker = WorkerDeployment.options(**opts[WORKER_DEPLOYMENT]).bind(engine=engine.as_kwargs())
+    return IngressDeployment.options(**opts[INGRESS_DEPLOYMENT]).bind(worker, cfg.model_dump())
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

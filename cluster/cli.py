@@ -11,10 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-GRPC_SERVICERS = [
-    "client.pb.logitpool.v1.logitpool_pb2_grpc.add_LogitPoolServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
-]
 READY_TIMEOUT_S = 600.0
 
 
@@ -67,13 +63,14 @@ def start_serve(cfg: Any, address: str | None = None) -> Any:
     from ray.serve.config import gRPCOptions
 
     from cluster.app import build_app, resolve_model
+    from cluster.serve_config import GRPC_SERVICER_FUNCTIONS
 
     cfg = resolve_model(cfg)
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=False)
     serve.start(
         http_options={"host": cfg.server.host, "port": cfg.server.http_port},
-        grpc_options=gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+        grpc_options=gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
     )
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
     return cfg

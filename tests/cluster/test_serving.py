@@ -1,0 +1,320 @@
+"""The serving cluster for real: Ray Serve, the OpenAI SDK over HTTP, the client library over
+gRPC, scaling, replica death and load. One Serve application for the module (on the session's
+Ray cluster); tests run in file order because scaling and killing change the deployment."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from client import AsyncClient, Client, InvalidArgument, Unauthenticated, Unavailable
+from cluster.config import LogitpoolConfig
+from tests.worker.test_engine import DUMMY_FQCN
+
+pytestmark = pytest.mark.ray
+
+APP = "logitpool"
+TARGET = 67
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolConfig:
+    return LogitpoolConfig.model_validate({
+        "engine": {"model": str(model_dir), "max_num_seqs": 32, "max_model_len": 512,
+                   "logits_processors": [DUMMY_FQCN]},
+        "workers": {"num_replicas": 1, "num_cpus": 1, **workers},
+        "server": {"http_port": http_port, "grpc_port": grpc_port},
+        "app_name": APP,
+    })
+
+
+@pytest.fixture(scope="module")
+def serving(ray_cluster, tiny_model_dir):
+    from cluster.cli import start_serve, wait_ready
+
+    cfg = config(tiny_model_dir, free_port(), free_port())
+    start_serve(cfg)
+    wait_ready("127.0.0.1", cfg.server.http_port, timeout_s=180)
+    yield cfg
+    from ray import serve
+
+    serve.delete(APP)
+
+
+def worker_handle():
+    from ray import serve
+
+    return serve.get_deployment_handle("LogitpoolWorker", app_name=APP)
+
+
+def worker_infos(samples: int = 12) -> dict[str, dict]:
+    """Info of every worker replica reachable through the router (sampled)."""
+    h = worker_handle()
+    infos = {}
+    for _ in range(samples):
+        info = h.info.remote().result(timeout_s=30)
+        infos[info["replica_id"]] = info
+    return infos
+
+
+@pytest.fixture(scope="module")
+def oai(serving):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{serving.server.http_port}/v1", api_key="unused", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(serving):
+    with Client(f"127.0.0.1:{serving.server.grpc_port}", timeout=60) as c:
+        yield c
+
+
+def greedy(prompt, n=8, **kw):
+    return {"prompt": prompt, "max_tokens": n, "temperature": 0.0, **kw}
+
+
+# -- HTTP through the official openai SDK ---------------------------------------------------
+
+
+def test_openai_completions(oai):
+    r = oai.completions.create(model="x", **greedy("def main(", 8), extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
+    again = oai.completions.create(model="x", **greedy("def main(", 8), extra_body={"ignore_eos": True})
+    assert again.choices[0].text == r.choices[0].text
+    stream = oai.completions.create(model="x", **greedy("def main(", 8), stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
+
+
+def test_openai_chat(oai):
+    msgs = [{"role": "user", "content": "hello there"}]
+    r = oai.chat.completions.create(model="x", messages=msgs, max_tokens=6, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
+    stream = oai.chat.completions.create(model="x", messages=msgs, max_tokens=6, temperature=0.0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+
+
+def test_openai_logprobs_seed_stop_bias(oai):
+    r = oai.completions.create(model="x", prompt="import os", max_tokens=6, temperature=1.0, seed=11, logprobs=3,
+                               extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 6 and len(lp.token_logprobs) == 6
+    assert all(len(t) in (3, 4) for t in lp.top_logprobs)
+    same = oai.completions.create(model="x", prompt="import os", max_tokens=6, temperature=1.0, seed=11,
+                                  extra_body={"ignore_eos": True})
+    assert same.choices[0].text == r.choices[0].text
+    chat = oai.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert len(chat.choices[0].logprobs.content) == 4
+    assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
+    free = oai.completions.create(model="x", **greedy("class Foo", 12), extra_body={"ignore_eos": True}).choices[0]
+    stop = free.text[2:5]
+    cut = oai.completions.create(model="x", **greedy("class Foo", 12), stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == free.text[: free.text.index(stop)]
+    biased = oai.completions.create(model="x", **greedy("class Foo", 5), logit_bias={str(TARGET): 100},
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert biased.choices[0].text == oai.completions.create(
+        model="x", **greedy("class Foo", 5), extra_body={"ignore_eos": True, "vllm_xargs": {"target_token": TARGET}}
+    ).choices[0].text
+
+
+def test_openai_vllm_xargs_drive_the_custom_processor(oai, grpc_client):
+    r = oai.completions.create(model="x", prompt="hello", max_tokens=7, temperature=0.9,
+                               extra_body={"vllm_xargs": {"target_token": TARGET}, "ignore_eos": True})
+    ids = grpc_client.generate("hello", max_tokens=7, temperature=0.9, ignore_eos=True,
+                               extra_args={"target_token": TARGET}).token_ids
+    assert ids == [TARGET] * 7
+    assert r.choices[0].text == grpc_client.generate("hello", max_tokens=7, ignore_eos=True,
+                                                     extra_args={"target_token": TARGET}).text
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model="x", prompt="hello", max_tokens=4, extra_body={"vllm_xargs": {"target_token": "abc"}})
+    assert "target_token value abc is not int" in str(err.value)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        oai.completions.create(model="x", prompt="hello", max_tokens=4, temperature=5.0)
+
+
+def test_http_endpoints(serving):
+    base = f"http://127.0.0.1:{serving.server.http_port}"
+    assert httpx.get(f"{base}/health").status_code == 200
+    procs = httpx.get(f"{base}/v1/processors").json()["data"]
+    assert DUMMY_FQCN in [p["fqcn"] for p in procs]
+    assert httpx.get(f"{base}/v1/models").json()["data"][0]["object"] == "model"
+    metrics = httpx.get(f"{base}/metrics").text
+    assert "logitpool_requests_total" in metrics
+    bad = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "body" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "top_p": 0})
+    assert bad.status_code == 400 and "top_p" in bad.json()["error"]["message"]
+
+
+# -- gRPC through the client library ---------------------------------------------------------
+
+
+def test_grpc_generate_stream_and_errors(grpc_client):
+    c = grpc_client.generate("def f(", max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    assert len(c.token_ids) == 6 and c.finish_reason == "length"
+    assert c.usage.completion_tokens == 6
+    assert len(c.logprobs) == 6 and all(p.rank >= 1 for p in c.logprobs)
+    chunks = list(grpc_client.stream("def f(", max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert [t for ch in chunks for t in ch.token_ids] == c.token_ids
+    assert "".join(ch.text for ch in chunks) == c.text
+    with pytest.raises(InvalidArgument, match="target_token"):
+        grpc_client.generate("x", extra_args={"target_token": 1.5})
+    with pytest.raises(InvalidArgument, match="min_p"):
+        grpc_client.generate("x", min_p=2.0)
+    infos = grpc_client.processors()
+    assert DUMMY_FQCN in [p.fqcn for p in infos]
+    assert grpc_client.health()
+
+
+def test_validation_happens_at_the_ingress(grpc_client, oai):
+    before = sum(i["num_requests"] for i in worker_infos().values())
+    for _ in range(3):
+        with pytest.raises(InvalidArgument):
+            grpc_client.generate("x", extra_args={"target_token": "abc"})
+        with pytest.raises(openai.BadRequestError):
+            oai.completions.create(model="x", prompt="x", extra_body={"vllm_xargs": {"target_token": [1]}})
+    after = sum(i["num_requests"] for i in worker_infos().values())
+    assert after == before, "a rejected request must never reach a worker"
+    grpc_client.generate("x", max_tokens=2)
+    assert sum(i["num_requests"] for i in worker_infos().values()) == before + 1
+
+
+def test_cancelled_stream_frees_its_row(grpc_client):
+    stream = grpc_client.stream("while True:", max_tokens=400, ignore_eos=True)
+    it = iter(stream)
+    next(it)
+    next(it)
+    running = max(i["num_running"] for i in worker_infos().values())
+    assert running >= 1
+    stream.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and max(i["num_running"] for i in worker_infos(4).values()) > 0:
+        time.sleep(0.1)
+    assert max(i["num_running"] for i in worker_infos().values()) == 0
+
+
+# -- scaling, faults, load --------------------------------------------------------------------
+
+
+def _load(target: str, stop: threading.Event, errors: list) -> None:
+    with Client(target, timeout=60) as c:
+        while not stop.is_set():
+            try:
+                c.generate("load", max_tokens=16, ignore_eos=True)
+            except Exception as exc:  # collected, asserted by the test
+                errors.append(exc)
+
+
+def test_scale_worker_deployment_under_load(serving):
+    from ray import serve
+
+    from cluster.app import build_app
+
+    target = f"127.0.0.1:{serving.server.grpc_port}"
+    stop, errors = threading.Event(), []
+    threads = [threading.Thread(target=_load, args=(target, stop, errors)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        scaled = serving.with_overrides(**{"workers.num_replicas": 2})
+        serve.run(build_app(scaled), name=APP, route_prefix="/", blocking=False)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            infos = worker_infos(8)
+            if len(infos) == 2 and all(i["num_requests"] > 0 for i in infos.values()):
+                break
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    infos = worker_infos(16)
+    assert len(infos) == 2 and all(i["num_requests"] > 0 for i in infos.values()), infos
+    assert not errors, errors[:3]
+
+
+def test_sixty_four_streams_across_two_replicas(serving, tiny_model_dir):
+    from worker import LLM, SamplingParams
+
+    prompts = ["def a(", "import b", "class C:", "x = 1"]
+    ref = LLM(str(tiny_model_dir), max_num_seqs=4, load_entry_points=False).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    want = {p: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
+
+    async def main():
+        async with AsyncClient(f"127.0.0.1:{serving.server.grpc_port}", timeout=120) as c:
+            async def one(i):
+                p = prompts[i % 4]
+                ids = []
+                async for ch in c.stream(p, max_tokens=10, temperature=0.0, ignore_eos=True):
+                    ids += ch.token_ids
+                return p, ids
+
+            return await asyncio.gather(*(one(i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    for p, ids in results:
+        assert ids == want[p]
+    assert len(worker_infos(16)) == 2
+
+
+def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
+    import ray
+
+    target = f"127.0.0.1:{serving.server.grpc_port}"
+    base = f"http://127.0.0.1:{serving.server.http_port}"
+    outcomes: list[tuple[str, object, float]] = []
+
+    def grpc_stream():
+        with Client(target, timeout=90, max_retries=0) as c:
+            try:
+                for _ in c.stream("forever", max_tokens=480, ignore_eos=True):
+                    pass
+                outcomes.append(("grpc", "completed", time.monotonic()))
+            except Exception as exc:
+                outcomes.append(("grpc", exc, time.monotonic()))
+
+    def http_call():
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "forever", "max_tokens": 480, "ignore_eos": True},
+                       timeout=90)
+        outcomes.append(("http", r.status_code, time.monotonic()))
+
+    threads = [threading.Thread(target=f) for f in (grpc_stream, http_call) * 3]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        infos = worker_infos(8)
+        if sum(i["num_running"] for i in infos.values()) >= 6:
+            break
+        time.sleep(0.1)
+    victim = max(infos.values(), key=lambda i: i["num_running"])
+    held = victim["num_running"]
+    assert held >= 1
+    name = next(a for a in ray.util.list_named_actors(all_namespaces=True) if victim["replica_id"] in a["name"])
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=False)
+    for t in threads:
+        t.join(90)
+    assert all(not t.is_alive() for t in threads), "no request may hang"
+    failed = [o for o in outcomes if isinstance(o[1], Unavailable) or o[1] == 503]
+    ok = [o for o in outcomes if o[1] in ("completed", 200)]
+    assert len(failed) == held, outcomes
+    assert len(ok) == 6 - held, outcomes
+    assert all(o[2] - killed_at < 10 for o in failed), "requests on the dead replica must fail fast"
+    with Client(target, timeout=60, max_retries=5, backoff=0.5) as c:
+        assert len(c.generate("after", max_tokens=3, ignore_eos=True).token_ids) == 3

@@ -1,0 +1,177 @@
+"""`logitpool bench engine`: the engine against transformers' generate() on the same requests.
+
+For each concurrency N: N requests (prompt 128 tokens, 128 new tokens, greedy, EOS ignored)
+through AsyncEngine all at once — output tokens/s, time to first token, inter-token latency
+p50/p99 — and, in the same run, the same requests through `model.generate()` one at a time and
+as one left-padded static batch. `--soak` runs 1,000 requests with churn and reports RSS growth
+after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from worker.async_engine import AsyncEngine
+from worker.config import EngineConfig
+from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model
+from worker.sampling_params import SamplingParams
+
+
+def rss_mib() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in MiB."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(rest.split()[0]) / 1024
+    return fields.get("VmRSS", 0.0), fields.get("VmHWM", 0.0)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+@dataclass
+class Result:
+    tokens_per_s: float
+    ttft_p50_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+
+
+def make_prompts(loaded: LoadedModel, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, loaded.vocab_size, (length,), generator=g).tolist() for _ in range(n)]
+
+
+async def run_engine(engine: AsyncEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> Result:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ttfts: list[float] = []
+    itls: list[float] = []
+
+    async def one(i: int) -> int:
+        start = time.perf_counter()
+        last = None
+        n = 0
+        async for out in engine.generate(f"{tag}-{i}", prompts[i], params, delta=True):
+            now = time.perf_counter()
+            k = sum(len(c.token_ids) for c in out.outputs)
+            if k == 0:
+                continue
+            if last is None:
+                ttfts.append(now - start)
+            else:
+                itls.extend([(now - last) / k] * k)
+            last = now
+            n += k
+        return n
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    wall = time.perf_counter() - t0
+    return Result(sum(counts) / wall, 1e3 * statistics.median(ttfts), 1e3 * pct(itls, 0.5), 1e3 * pct(itls, 0.99))
+
+
+def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, batched: bool) -> float:
+    """Output tokens/s of transformers' generate(), one request at a time or one padded batch."""
+    model = loaded.model
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        if batched:
+            width = max(map(len, prompts))
+            ids = torch.zeros(len(prompts), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(prompts):
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            model.generate(ids.to(loaded.device), attention_mask=mask.to(loaded.device), **kw)
+        else:
+            for p in prompts:
+                ids = torch.tensor([p], device=loaded.device)
+                model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+
+
+async def soak(engine: AsyncEngine, loaded: LoadedModel, n: int, concurrency: int) -> tuple[float, float]:
+    """RSS (MiB) after a 100-request warm-up and after all n requests with churn."""
+    g = torch.Generator().manual_seed(7)
+    sem = asyncio.Semaphore(concurrency)
+    after_warmup = 0.0
+
+    async def one(i: int) -> None:
+        nonlocal after_warmup
+        length = int(torch.randint(8, 200, (1,), generator=g))
+        prompt = torch.randint(10, loaded.vocab_size, (length,), generator=g).tolist()
+        params = SamplingParams(
+            temperature=float(i % 3) * 0.5, seed=i if i % 2 else None,
+            max_tokens=int(torch.randint(1, 64, (1,), generator=g)), ignore_eos=True,
+            logprobs=2 if i % 5 == 0 else None, top_k=50 if i % 4 == 0 else 0,
+        )
+        async with sem:
+            async for _ in engine.generate(f"soak-{i}", prompt, params):
+                pass
+        if i == 100:
+            after_warmup = rss_mib()[0]
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return after_warmup, rss_mib()[0]
+
+
+async def amain(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    path = args.model or str(build_tiny_model(default_model_path()))
+    loaded = load_model(path, dtype="float32")
+    engine = AsyncEngine(
+        EngineConfig(model=path, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.token_budget,
+                     load_entry_points=False),
+        loaded=loaded,
+    )
+    print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB; model {path}")
+    await run_engine(engine, make_prompts(loaded, 2, args.prompt_len, seed=99), 8, "warmup")
+    print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; {args.threads} threads\n")
+    print("| N | engine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | HF one-at-a-time tok/s | HF padded batch tok/s "
+          "| engine / batch | engine / one-at-a-time | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in args.concurrency:
+        prompts = make_prompts(loaded, n, args.prompt_len, seed=n)
+        r = await run_engine(engine, prompts, args.new_tokens, f"c{n}")
+        single = run_hf(loaded, prompts[: min(n, args.hf_single_max)], args.new_tokens, batched=False)
+        batch = run_hf(loaded, prompts, args.new_tokens, batched=True)
+        print(f"| {n} | {r.tokens_per_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
+              f"| {single:.0f} | {batch:.0f} | {r.tokens_per_s / batch:.2f} | {r.tokens_per_s / single:.1f} "
+              f"| {rss_mib()[1]:.0f} |", flush=True)
+    if args.soak:
+        warm, end = await soak(engine, loaded, args.soak, 32)
+        print(f"\nsoak: {args.soak} requests with churn; RSS after warm-up {warm:.0f} MiB, at end {end:.0f} MiB "
+              f"({100 * (end - warm) / warm:+.1f}%); condense moves {engine.engine.num_condense_moves}, "
+              f"swaps {engine.engine.num_swaps}")
+    await engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="logitpool bench engine")
+    p.add_argument("--model", help="model path (default: the embedded tiny model)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--token-budget", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--hf-single-max", type=int, default=64, help="cap on one-at-a-time requests timed")
+    p.add_argument("--soak", type=int, default=0, help="also run this many requests with churn (e.g. 1000)")
+    asyncio.run(amain(p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
