@@ -74,6 +74,10 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.logit_bias is not None:
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.extra_args, dict) and not self.extra_args:
+            # An empty object means "no custom arguments"; vLLM-style validate_params
+            # (`params.extra_args and ...`) would otherwise see {} instead of None.
+            self.extra_args = None
         self._validate()
         self._all_stop_token_ids = set(self.stop_token_ids)
 

@@ -1,0 +1,100 @@
+"""Top-p (nucleus) selection, exact, without sorting the vocabulary.
+
+Rule (SPEC §2.4 7c): order tokens by probability descending, equal probabilities by id
+ascending; keep the shortest prefix whose mass reaches ``p`` times the row's total mass. A
+token is kept iff the mass strictly before it is below that target, so the top token always
+survives and zero-probability tokens never do (for ``p < 1``).
+
+Three ways to apply it, all giving that rule:
+- ``top_p_keep``: on candidate lists already in that order (top-k rows, probe hits).
+- ``top_p_probe``: the top-64 of a full row; decides the row when its nucleus ends inside them.
+- ``top_p_histogram_``: a mass histogram over the float bits of the probabilities (monotone
+  for non-negative floats) finds the bucket where the target mass is crossed; only that
+  bucket's tokens are sorted. Everything below it is zeroed in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.ops.select import sort_by_value_then_id, topk_candidates
+from worker.ops.workspace import Workspace
+
+PROBE = 64
+_SHIFT = 16  # bucket = sign, exponent and 7 mantissa bits: buckets 2^-7 (0.8 %) wide
+_NUM_BUCKETS = (0x3F800000 >> _SHIFT) + 1  # probabilities lie in [0, 1.0]
+
+
+def _exclusive_cumsum(w: torch.Tensor) -> torch.Tensor:
+    cs = w.cumsum(-1)
+    return torch.cat([torch.zeros_like(cs[..., :1]), cs[..., :-1]], dim=-1)
+
+
+def top_p_keep(probs: torch.Tensor, p: torch.Tensor, target_total: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, m] bool kept mask for candidate probabilities ``probs`` [n, m] already in top-p order.
+
+    ``p`` [n] float64 (rows with p >= 1 keep everything); the target is ``p * total`` where the
+    total is the candidates' own mass unless ``target_total`` [n] is given.
+    """
+    w = probs.to(torch.float64)
+    excl = _exclusive_cumsum(w)
+    total = w.sum(-1) if target_total is None else target_total
+    return (excl < (p * total)[:, None]) | (p >= 1.0)[:, None]
+
+
+def top_p_probe(
+    probs: torch.Tensor, p: torch.Tensor, totals: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Try to settle top-p of full rows ``probs`` [h, V] from their top-``PROBE`` tokens.
+
+    Returns (ids [h, c], probs [h, c] in top-p order, keep [h, c], hit [h]). Where ``hit``, the
+    kept candidates are exactly the row's nucleus: the prefix reaches the target, and its last
+    value is above the best value left out, so every token tied with it is among the candidates.
+    """
+    h, v = probs.shape
+    c = min(PROBE, v)
+    vals, ids = topk_candidates(probs, c)
+    best_left_out = vals[:, c] if vals.shape[1] > c else torch.full((h,), -1.0, device=probs.device)
+    vals, ids = sort_by_value_then_id(vals[:, :c], ids[:, :c])
+    keep = top_p_keep(vals, p, totals)
+    reached = vals.to(torch.float64).sum(-1) >= p * totals
+    last = vals.gather(1, (keep.sum(-1) - 1).clamp_min(0)[:, None]).squeeze(1)
+    return ids, vals, keep, reached & (last > best_left_out)
+
+
+def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, ws: Workspace) -> None:
+    """Zero, in place, every token of rows ``probs`` [h, V] (finite, >= 0) outside the nucleus."""
+    h, v = probs.shape
+    key = ws.get("topp_key", (h, v), torch.int64)
+    key.copy_(probs.view(torch.int32))
+    key.bitwise_right_shift_(_SHIFT)
+    hist = ws.get("topp_hist", (h, _NUM_BUCKETS), torch.float32).zero_()
+    hist.scatter_add_(1, key, probs)
+    from_top = hist.flip(-1).to(torch.float64).cumsum(-1)  # mass of every bucket >= this one
+    target = p * from_top[:, -1]
+    r = torch.searchsorted(from_top, target[:, None]).clamp_max(_NUM_BUCKETS - 1)  # first reaching it
+    bucket = (_NUM_BUCKETS - 1) - r  # [h, 1]
+    above = torch.where(r > 0, from_top.gather(1, (r - 1).clamp_min(0)), 0.0).squeeze(1)
+
+    # The boundary bucket's tokens, in top-p order within each row.
+    in_bucket = ws.get("topp_mask", (h, v), torch.bool)
+    torch.eq(key, bucket, out=in_bucket)
+    row, col = in_bucket.nonzero(as_tuple=True)
+    val = probs[row, col]
+    o = torch.argsort(val, descending=True, stable=True)  # nonzero gives (row, col) ascending
+    row, col, val = row[o], col[o], val[o]
+    o = torch.argsort(row, stable=True)
+    row, col, val = row[o], col[o], val[o]
+    cs = val.to(torch.float64).cumsum(0)
+    before = torch.cat([cs.new_zeros(1), cs[:-1]])
+    counts = torch.bincount(row, minlength=h)
+    start = torch.cumsum(counts, 0) - counts
+    seg_before = before - before[start[row]]  # mass of the row's earlier candidates
+    drop = above[row] + seg_before >= target[row]
+    probs[row[drop], col[drop]] = 0.0
+
+    # Everything in a lower bucket: values below the bucket's smallest float.
+    low = (bucket.to(torch.int32) << _SHIFT).view(torch.float32)
+    keepf = ws.get("topp_keepf", (h, v), torch.float32)
+    torch.ge(probs, low, out=keepf)
+    probs.mul_(keepf)

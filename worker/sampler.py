@@ -1,0 +1,368 @@
+"""The batched sampler (SPEC §2.4): one token per row of ``(logits, metadata)``; the order is the contract.
+
+1 keep raw logprobs / logits for rows that ask (before anything writes the logits)
+2 float32
+3-5 every non-argmax-invariant processor in registry order (allowed ids, bad words, min-tokens,
+  logit bias, custom ones); an exception becomes ``ProcessorError(name, "apply", exc)``
+6 penalties, unless no row uses one
+7 greedy rows: argmax now (lowest id wins a tie), before temperature
+7a temperature, in place (greedy rows divide by 1)
+7b argmax-invariant processors (Min-P, ...) - not called at all when every row is greedy
+7c top-k (exactly k, ties toward lower ids), then top-p (smallest prefix reaching p)
+7d an exact inverse-CDF draw, one float64 uniform per row; seeded rows use their own generator
+8 logprobs: top-K of the row's source, the sampled token's logprob and 1-based rank
+9 return
+
+A row left with no finite logit gets ``errors[row] = True`` and token -1; the others are not
+affected. Host reads: the plan is read once per metadata object (i.e. per batch change); per
+step, the small routing flags (top-k ties, top-p probe hits, row validity, logprob ties) are
+read together in one transfer. Rows whose top-p nucleus does not fit the probe take a
+``nonzero`` (one more sync on CUDA), and processed-mode logprob top-K one more read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from worker.logits_processor.errors import ProcessorError
+from worker.logits_processor.interface import LogitsProcessor
+from worker.ops.draw import draw_rows, draw_weights, row_block_sums, uniforms
+from worker.ops.logprobs import sampled_logprob_and_rank, to_logprobs_
+from worker.ops.plan import SamplingPlan, build_plan
+from worker.ops.select import ambiguous, resolve_topk, row_argmax, sort_by_value_then_id, topk_candidates
+from worker.ops.topk_topp import top_p_histogram_, top_p_keep, top_p_probe
+from worker.ops.workspace import Workspace
+from worker.sampling_metadata import SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+class ProcessorSet(Protocol):
+    """What the sampler needs of the loaded processors (``registry.LogitsProcessors``)."""
+
+    non_argmax_invariant: Sequence[LogitsProcessor]
+    argmax_invariant: Sequence[LogitsProcessor]
+    penalties: LogitsProcessor
+
+
+@dataclass(frozen=True)
+class LogprobsTensors:
+    """Per row: column 0 is the sampled token, columns 1..K the row's top-K (value desc, id asc).
+
+    Rows that asked for fewer than K use their first columns; rows that asked for none hold
+    id -1, logprob NaN and rank -1 (column 0 still holds the sampled token).
+    """
+
+    token_ids: torch.Tensor  # [B, K+1] int64
+    logprobs: torch.Tensor  # [B, K+1] float32
+    ranks: torch.Tensor  # [B] int64, rank of the sampled token: count(logprob >= sampled's)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64; -1 where errors
+    logprobs: LogprobsTensors | None
+    errors: torch.Tensor  # [B] bool: the row had no finite logit left
+
+
+class _HostRead:
+    """Small device results collected so that they reach the host in one transfer."""
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._values: list[list[int]] = []
+
+    def add(self, t: torch.Tensor) -> int:
+        self._parts.append(t.reshape(-1).to(torch.int64))
+        return len(self._parts) - 1
+
+    def get(self, handle: int) -> list[int]:
+        if handle >= len(self._values):
+            new = self._parts[len(self._values) :]
+            flat = torch.cat(new).tolist()
+            for t in new:
+                self._values.append(flat[: t.numel()])
+                flat = flat[t.numel() :]
+        return self._values[handle]
+
+
+@dataclass
+class _Candidates:
+    """Rows sampled among candidate lists in top-p order: ids, logits, kept mask."""
+
+    ids: torch.Tensor
+    logits: torch.Tensor
+    keep: torch.Tensor
+
+
+@dataclass
+class _Drawn:
+    """What the random path leaves for processed logprobs."""
+
+    topk: _Candidates | None = None
+    probe: _Candidates | None = None
+    probe_hits: list[int] | None = None
+    probs: torch.Tensor | None = None  # [nf, V] full-row probabilities after top-p
+    histogram_rows: tuple[int, ...] = ()
+
+
+@dataclass
+class _PendingTopK:
+    vals: torch.Tensor
+    ids: torch.Tensor
+    k: int
+    handle: int
+
+
+def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
+    try:
+        out = p.apply(logits)
+    except Exception as exc:
+        raise ProcessorError(type(p).__name__, "apply", exc) from exc
+    if out is not logits:
+        out = out.to(torch.float32).contiguous()
+    return out
+
+
+def _order_by_prob(q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Permutation putting candidates in top-p order: probability desc, id asc."""
+    o1 = torch.argsort(ids, dim=-1, stable=True)
+    o2 = torch.argsort(q.gather(1, o1), dim=-1, descending=True, stable=True)
+    return o1.gather(1, o2)
+
+
+class Sampler:
+    """``Sampler(processors)(logits, metadata) -> SamplerOutput``; see the module docstring."""
+
+    def __init__(self, processors: ProcessorSet, *, generator: torch.Generator | None = None) -> None:
+        self.processors = processors
+        self.generator = generator
+        self._plan_key: tuple[SamplingMetadata, int, torch.device] | None = None
+        self._plan: SamplingPlan | None = None
+        self._workspaces: dict[torch.device, Workspace] = {}
+
+    def _plan_for(self, md: SamplingMetadata, logits: torch.Tensor) -> SamplingPlan:
+        key = (md, logits.shape[1], logits.device)
+        if self._plan is None or self._plan_key is None or any(a is not b and a != b for a, b in zip(key, self._plan_key)):
+            if md.batch_size != logits.shape[0]:
+                raise ValueError(f"logits have {logits.shape[0]} rows but the metadata {md.batch_size}")
+            self._plan = build_plan(md, logits.shape[1], logits.device)
+            self._plan_key = key
+        return self._plan
+
+    def _workspace(self, device: torch.device) -> Workspace:
+        if device not in self._workspaces:
+            self._workspaces[device] = Workspace(device)
+        return self._workspaces[device]
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        plan = self._plan_for(metadata, logits)
+        ws = self._workspace(logits.device)
+        host = _HostRead()
+        x = logits if logits.dtype == torch.float32 else logits.float()  # 2
+        x = x.contiguous()
+        raw = self._keep_raw(x, plan, ws, host)  # 1 (reads the float32 logits before any write)
+        for p in self.processors.non_argmax_invariant:  # 3-5
+            x = _apply(p, x)
+        if not metadata.no_penalties:  # 6
+            x = _apply(self.processors.penalties, x)
+
+        tokens = torch.full((plan.batch_size,), -1, dtype=torch.int64, device=x.device)
+        ok = torch.ones(plan.batch_size, dtype=torch.bool, device=x.device)
+        greedy_processed = self._greedy(x, plan, tokens, ok)  # 7
+        drawn = None
+        if not plan.all_greedy:
+            x.div_(plan.divisor)  # 7a
+            for p in self.processors.argmax_invariant:  # 7b
+                x = _apply(p, x)
+            drawn = self._draw(x, plan, ws, host, tokens, ok)  # 7c-7d
+        tokens = torch.where(ok, tokens, -1)
+        logprobs = self._logprobs(x, plan, ws, host, tokens, raw, greedy_processed, drawn)  # 8
+        return SamplerOutput(tokens, logprobs, ~ok)  # 9
+
+    # -- step 1 ----------------------------------------------------------------------------
+
+    def _keep_raw(
+        self, x: torch.Tensor, plan: SamplingPlan, ws: Workspace, host: _HostRead
+    ) -> tuple[torch.Tensor, _PendingTopK | None] | None:
+        if not len(plan.raw):
+            return None
+        src = ws.get("raw_src", (len(plan.raw), x.shape[1]), torch.float32)
+        if plan.raw.rows == tuple(range(plan.batch_size)):
+            src.copy_(x)
+        else:
+            torch.index_select(x, 0, plan.raw.index, out=src)
+        to_logprobs_(src, plan.raw_modes)
+        return src, self._topk_phase1(src, plan, host)
+
+    # -- step 7 ----------------------------------------------------------------------------
+
+    def _greedy(self, x: torch.Tensor, plan: SamplingPlan, tokens: torch.Tensor, ok: torch.Tensor) -> torch.Tensor | None:
+        """Greedy tokens into ``tokens``/``ok``; returns the processed-logits snapshot of greedy rows."""
+        if not len(plan.greedy):
+            return None
+        vals, ids = row_argmax(x)
+        g = plan.greedy.index
+        tokens.index_copy_(0, g, ids.index_select(0, g))
+        ok.index_copy_(0, g, torch.isfinite(vals.index_select(0, g)))
+        # Greedy rows' processed logits are fixed here: 7b must not change a greedy row's results.
+        return x.index_select(0, plan.processed.index) if len(plan.processed) else None
+
+    def _draw(
+        self, x: torch.Tensor, plan: SamplingPlan, ws: Workspace, host: _HostRead, tokens: torch.Tensor, ok: torch.Tensor
+    ) -> _Drawn:
+        """7c-7d for every random row; writes ``tokens`` and ``ok``."""
+        b, v = x.shape
+        nk, nf, ntp = len(plan.topk), len(plan.full), plan.n_top_p
+        u = uniforms(plan.random_rows, plan.generators, self.generator, x.device)
+        drawn = _Drawn()
+
+        # Phase 1: device work whose small results are read together.
+        if nk:
+            cand_v, cand_i = topk_candidates(x, plan.topk_kmax, rows=plan.topk.index)
+            amb = host.add(ambiguous(cand_v, plan.topk_k) & torch.isfinite(cand_v[:, 0]))
+        if nf:
+            probs = ws.get("probs", (nf, v), torch.float32)
+            if plan.full.rows == tuple(range(b)):
+                torch.softmax(x, -1, out=probs)
+            else:
+                torch.softmax(torch.index_select(x, 0, plan.full.index, out=probs), -1, out=probs)
+            bsum = row_block_sums(probs)
+            totals = bsum.to(torch.float64).sum(-1)
+            valid = host.add((totals > 0) & torch.isfinite(totals))
+            if ntp:
+                probe_ids, probe_probs, probe_keep, hit = top_p_probe(probs[:ntp], plan.top_p, totals[:ntp])
+                hits_h = host.add(hit)
+
+        # Phase 2.
+        if nk:
+            kmax = plan.topk_kmax
+            amb_rows = [i for i, a in enumerate(host.get(amb)) if a]
+            vals, ids = resolve_topk(x, cand_v, cand_i, plan.topk_k, kmax, amb_rows, rows=plan.topk.index)
+            in_k = torch.arange(kmax, device=x.device)[None, :] < plan.topk_k[:, None]
+            vals = vals.masked_fill(~in_k, _NEG_INF)
+            q = torch.softmax(vals, -1)
+            perm = _order_by_prob(q, ids)
+            vals, ids, q, in_k = vals.gather(1, perm), ids.gather(1, perm), q.gather(1, perm), in_k.gather(1, perm)
+            keep = top_p_keep(q, plan.topk_p) & in_k
+            col, row_ok = draw_weights(q * keep, u[:nk])
+            tokens.index_copy_(0, plan.topk.index, ids.gather(1, col[:, None]).squeeze(1))
+            ok.index_copy_(0, plan.topk.index, row_ok)
+            drawn.topk = _Candidates(ids, vals, keep)
+        if nf:
+            row_valid = host.get(valid)
+            hits = host.get(hits_h) if ntp else []
+            hist = tuple(i for i in range(ntp) if row_valid[i] and not hits[i])
+            if hist:
+                self._nucleus_by_histogram(probs, bsum, hist, plan, ws)
+            tok, row_ok = draw_rows(probs, u[nk:], bsum)
+            if any(hits):
+                col, _ = draw_weights(probe_probs * probe_keep, u[nk : nk + ntp])
+                hit_t = torch.tensor(hits, dtype=torch.bool, device=x.device)
+                tok[:ntp] = torch.where(hit_t, probe_ids.gather(1, col[:, None]).squeeze(1), tok[:ntp])
+                drawn.probe = _Candidates(probe_ids, x.index_select(0, plan.full.index[:ntp]).gather(1, probe_ids), probe_keep)
+                drawn.probe_hits = hits
+            tokens.index_copy_(0, plan.full.index, tok)
+            ok.index_copy_(0, plan.full.index, row_ok)
+            drawn.probs = probs
+            drawn.histogram_rows = hist
+        return drawn
+
+    @staticmethod
+    def _nucleus_by_histogram(
+        probs: torch.Tensor, bsum: torch.Tensor, rows: tuple[int, ...], plan: SamplingPlan, ws: Workspace
+    ) -> None:
+        """Top-p on full rows ``rows`` (local to ``probs``) in place; their block sums refreshed."""
+        if rows == tuple(range(len(rows))):
+            part = probs[: len(rows)]
+            top_p_histogram_(part, plan.top_p[: len(rows)], ws)
+            bsum[: len(rows)] = row_block_sums(part)
+            return
+        idx = torch.tensor(rows, device=probs.device)
+        part = probs.index_select(0, idx)
+        top_p_histogram_(part, plan.top_p.index_select(0, idx), ws)
+        probs.index_copy_(0, idx, part)
+        bsum.index_copy_(0, idx, row_block_sums(part))
+
+    # -- step 8 ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _topk_phase1(src: torch.Tensor, plan: SamplingPlan, host: _HostRead) -> _PendingTopK | None:
+        k = min(plan.num_logprobs or 0, src.shape[1])
+        if k <= 0:
+            return None
+        vals, ids = topk_candidates(src, k)
+        kk = torch.full((src.shape[0],), k, dtype=torch.int64, device=src.device)
+        return _PendingTopK(vals, ids, k, host.add(ambiguous(vals, kk)))
+
+    def _logprobs(
+        self,
+        x: torch.Tensor,
+        plan: SamplingPlan,
+        ws: Workspace,
+        host: _HostRead,
+        tokens: torch.Tensor,
+        raw: tuple[torch.Tensor, _PendingTopK | None] | None,
+        greedy_processed: torch.Tensor | None,
+        drawn: _Drawn | None,
+    ) -> LogprobsTensors | None:
+        if plan.num_logprobs is None:
+            return None
+        b, k = plan.batch_size, plan.num_logprobs
+        ids_out = torch.full((b, k + 1), -1, dtype=torch.int64, device=x.device)
+        ids_out[:, 0] = tokens
+        lp_out = torch.full((b, k + 1), float("nan"), dtype=torch.float32, device=x.device)
+        ranks = torch.full((b,), -1, dtype=torch.int64, device=x.device)
+        sources = []
+        if raw is not None:
+            sources.append((plan.raw.index, *raw))
+        if len(plan.processed):
+            src = to_logprobs_(self._processed_logits(x, plan, greedy_processed, drawn), plan.processed_modes)
+            sources.append((plan.processed.index, src, self._topk_phase1(src, plan, host)))
+        for rows, src, pending in sources:
+            lp, rank = sampled_logprob_and_rank(src, tokens.index_select(0, rows), ws)
+            lp_out[rows, 0] = lp
+            ranks[rows] = rank
+            if pending is not None:
+                kk = torch.full((src.shape[0],), pending.k, dtype=torch.int64, device=src.device)
+                amb_rows = [i for i, a in enumerate(host.get(pending.handle)) if a]
+                vals, ids = sort_by_value_then_id(*resolve_topk(src, pending.vals, pending.ids, kk, pending.k, amb_rows))
+                lp_out[rows, 1 : 1 + pending.k] = vals
+                ids_out[rows, 1 : 1 + pending.k] = ids
+        return LogprobsTensors(ids_out, lp_out, ranks)
+
+    @staticmethod
+    def _processed_logits(
+        x: torch.Tensor, plan: SamplingPlan, greedy_processed: torch.Tensor | None, drawn: _Drawn | None
+    ) -> torch.Tensor:
+        """Logits after 7c of the rows asking a processed mode: -inf where top-k/top-p removed a token.
+
+        Opt-in and rare, so this walks those rows (device ops only, no host reads).
+        """
+        out = x.index_select(0, plan.processed.index)
+        greedy = set(plan.greedy.rows)
+        topk_pos = {r: i for i, r in enumerate(plan.topk.rows)}
+        full_pos = {r: i for i, r in enumerate(plan.full.rows)}
+        for local, r in enumerate(plan.processed.rows):
+            if r in greedy:
+                assert greedy_processed is not None
+                out[local] = greedy_processed[local]
+                continue
+            assert drawn is not None
+            cand: _Candidates | None = None
+            i = -1
+            if r in topk_pos:
+                cand, i = drawn.topk, topk_pos[r]
+            elif drawn.probe_hits is not None and full_pos[r] < plan.n_top_p and drawn.probe_hits[full_pos[r]]:
+                cand, i = drawn.probe, full_pos[r]
+            if cand is not None:
+                out[local] = _NEG_INF
+                out[local, cand.ids[i]] = torch.where(cand.keep[i], cand.logits[i], _NEG_INF)
+            elif full_pos[r] in drawn.histogram_rows:
+                assert drawn.probs is not None
+                out[local] = torch.where(drawn.probs[full_pos[r]] > 0, out[local], _NEG_INF)
+        return out
