@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 READY_TIMEOUT_S = 600.0
+LOCAL_NUM_CPUS = 8
 
 
 def _serve_parser(sub: Any) -> None:
@@ -67,7 +68,12 @@ def start_serve(cfg: Any, address: str | None = None) -> Any:
 
     cfg = resolve_model(cfg)
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False if address is None else None, log_to_driver=False)
+        if address is None:
+            # A local cluster: logical CPUs are scheduling slots, not cores; leave room for the
+            # ingress and a few worker replicas even on a 2-core laptop.
+            ray.init(num_cpus=max(os.cpu_count() or 1, LOCAL_NUM_CPUS), include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
     serve.start(
         http_options={"host": cfg.server.host, "port": cfg.server.http_port},
         grpc_options=gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),

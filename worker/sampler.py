@@ -92,10 +92,9 @@ class _HostRead:
 
 @dataclass
 class _Candidates:
-    """Rows sampled among candidate lists in top-p order: ids, logits, kept mask."""
+    """Rows sampled among candidate lists in top-p order: ids and kept mask."""
 
     ids: torch.Tensor
-    logits: torch.Tensor
     keep: torch.Tensor
 
 
@@ -147,7 +146,7 @@ class Sampler:
 
     def _plan_for(self, md: SamplingMetadata, logits: torch.Tensor) -> SamplingPlan:
         key = (md, logits.shape[1], logits.device)
-        if self._plan is None or self._plan_key is None or any(a is not b and a != b for a, b in zip(key, self._plan_key)):
+        if self._plan is None or self._plan_key is None or self._plan_key[0] is not md or self._plan_key[1:] != key[1:]:
             if md.batch_size != logits.shape[0]:
                 raise ValueError(f"logits have {logits.shape[0]} rows but the metadata {md.batch_size}")
             self._plan = build_plan(md, logits.shape[1], logits.device)
@@ -252,7 +251,7 @@ class Sampler:
             col, row_ok = draw_weights(q * keep, u[:nk])
             tokens.index_copy_(0, plan.topk.index, ids.gather(1, col[:, None]).squeeze(1))
             ok.index_copy_(0, plan.topk.index, row_ok)
-            drawn.topk = _Candidates(ids, vals, keep)
+            drawn.topk = _Candidates(ids, keep)
         if nf:
             row_valid = host.get(valid)
             hits = host.get(hits_h) if ntp else []
@@ -264,7 +263,7 @@ class Sampler:
                 col, _ = draw_weights(probe_probs * probe_keep, u[nk : nk + ntp])
                 hit_t = torch.tensor(hits, dtype=torch.bool, device=x.device)
                 tok[:ntp] = torch.where(hit_t, probe_ids.gather(1, col[:, None]).squeeze(1), tok[:ntp])
-                drawn.probe = _Candidates(probe_ids, x.index_select(0, plan.full.index[:ntp]).gather(1, probe_ids), probe_keep)
+                drawn.probe = _Candidates(probe_ids, probe_keep)
                 drawn.probe_hits = hits
             tokens.index_copy_(0, plan.full.index, tok)
             ok.index_copy_(0, plan.full.index, row_ok)
@@ -360,8 +359,9 @@ class Sampler:
             elif drawn.probe_hits is not None and full_pos[r] < plan.n_top_p and drawn.probe_hits[full_pos[r]]:
                 cand, i = drawn.probe, full_pos[r]
             if cand is not None:
+                kept = torch.where(cand.keep[i], x[r, cand.ids[i]], _NEG_INF)
                 out[local] = _NEG_INF
-                out[local, cand.ids[i]] = torch.where(cand.keep[i], cand.logits[i], _NEG_INF)
+                out[local, cand.ids[i]] = kept
             elif full_pos[r] in drawn.histogram_rows:
                 assert drawn.probs is not None
                 out[local] = torch.where(drawn.probs[full_pos[r]] > 0, out[local], _NEG_INF)

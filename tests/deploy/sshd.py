@@ -111,6 +111,9 @@ class LoopbackSSHD:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def start(workdir: Path, *, path_dirs: list[str], env: dict[str, str]) -> LoopbackSSHD:

@@ -72,6 +72,8 @@ def test_copies_every_package_and_the_protos_exist_as_packages() -> None:
         copied.update(parts[:-1])
     for needed in ["pyproject.toml", "README.md", "worker", "cluster", "client", "protos"]:
         assert needed in copied, needed
+    for source in copied:
+        assert (REPO / source).exists(), f"COPY {source}: not in the repository, the build would fail"
     # Generated modules Serve's gRPC proxy imports must be regular packages so the install ships them.
     pb = REPO / "client" / "pb"
     for package in [pb, pb / "logitpool", pb / "logitpool" / "v1"]:
