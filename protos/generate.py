@@ -41,6 +41,9 @@ def fix_imports(source: str, top_packages: list[str]) -> str:
         name = re.escape(top)
         source = re.sub(rf"^(\s*)from {name}(\.| import)", rf"\1from {PACKAGE_PREFIX}.{top}\2", source, flags=re.M)
         source = re.sub(rf"^(\s*)import {name}\.", rf"\1import {PACKAGE_PREFIX}.{top}.", source, flags=re.M)
+        # The module name the message classes are registered under: pickle (Serve's gRPC proxy
+        # pickles requests to hand them to a replica) imports it back, so it must be the real one.
+        source = re.sub(rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')({name}\.)", rf"\1{PACKAGE_PREFIX}.\2", source)
     return source
 
 

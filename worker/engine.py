@@ -170,6 +170,7 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return one delta RequestOutput per request that changed."""
         self._drain_inbox()

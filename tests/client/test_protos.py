@@ -134,3 +134,15 @@ def test_json_value_rejects_what_json_cannot_hold(value: Any, error: type[Except
 def test_json_value_without_a_kind_is_rejected() -> None:
     with pytest.raises(ValueError, match="no value"):
         json_from_pb(pb.JsonValue())
+
+
+def test_messages_pickle_round_trip():
+    """Serve's gRPC proxy pickles requests to hand them to a replica: the module the classes are
+    registered under must be importable (client.pb..., not the bare proto package)."""
+    import pickle
+
+    from client.pb.logitpool.v1 import logitpool_pb2 as pb
+
+    msg = pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_tokens=3))
+    assert pickle.loads(pickle.dumps(msg)) == msg
+    assert type(msg).__module__ == "client.pb.logitpool.v1.logitpool_pb2"

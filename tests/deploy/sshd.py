@@ -13,6 +13,7 @@ Standard library only: this file is also executed as the ProxyCommand.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -96,7 +97,12 @@ class LoopbackSSHD:
 
     def processes(self) -> list[tuple[int, str]]:
         """(pid, command line) of live (non-zombie) processes inside the namespace."""
-        return processes_in(self.namespace)
+        prefix = privilege_prefix()
+        if not prefix:  # root reads every process's namespace link itself
+            return processes_in(self.namespace)
+        listed = subprocess.run(prefix + [sys.executable, str(Path(__file__).resolve()), "list", self.namespace],
+                                capture_output=True, text=True, check=True)
+        return [(pid, cmd) for pid, cmd in json.loads(listed.stdout)]
 
     def ray_processes(self) -> list[tuple[int, str]]:
         return [(pid, cmd) for pid, cmd in self.processes() if any(m in cmd for m in RAY_MARKERS)]
@@ -237,5 +243,7 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "relay":
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         relay(sys.argv[2], int(sys.argv[3]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "list":
+        print(json.dumps(processes_in(sys.argv[2])))
     else:
-        sys.exit(f"usage: {sys.argv[0]} relay HOST PORT")
+        sys.exit(f"usage: {sys.argv[0]} relay HOST PORT | list NAMESPACE")

@@ -133,15 +133,16 @@ def test_ray_up_deploy_request_ray_down(node: sshd.LoopbackSSHD, tmp_path: Path)
     from client import Client
     from ray.serve.schema import ServeDeploySchema
 
+    from ray.autoscaler._private.local.config import get_lock_path, get_state_path
+
     ports = free_ports(PORT_NAMES)
     config = tmp_path / "cluster.yaml"
-    derived = derived_config(node, ports, name=f"logitpool-test-{os.getpid()}-{ports['gcs']}")
+    name = f"logitpool-test-{os.getpid()}-{ports['gcs']}"
+    derived = derived_config(node, ports, name)
     config.write_text(yaml.safe_dump(derived, sort_keys=False), encoding="utf-8")
     timings: dict[str, float] = {}
-    up = False
-    try:
+    try:  # whatever fails from here on, the cluster is still torn down
         t0 = time.monotonic()
-        up = True  # from here on, a failure still tears the cluster down
         done = run([str(BIN / "ray"), "up", "-y", "--no-config-cache", "--log-style=record", str(config)],
                    tmp_path / "ray_up.log", UP_TIMEOUT_S)
         assert done.returncode == 0, tail(done)
@@ -177,12 +178,13 @@ def test_ray_up_deploy_request_ray_down(node: sshd.LoopbackSSHD, tmp_path: Path)
         assert 1 <= len(out.token_ids) <= 4
         assert out.text == http_text  # greedy: both front ends reach the same worker and model
     finally:
-        if up:
-            t0 = time.monotonic()
-            down = run([str(BIN / "ray"), "down", "-y", "--log-style=record", str(config)],
-                       tmp_path / "ray_down.log", DOWN_TIMEOUT_S)
-            timings["ray down"] = time.monotonic() - t0
-            print(f"timings (s): { {k: round(v, 1) for k, v in timings.items()} }")
+        t0 = time.monotonic()
+        down = run([str(BIN / "ray"), "down", "-y", "--log-style=record", str(config)],
+                   tmp_path / "ray_down.log", DOWN_TIMEOUT_S)
+        timings["ray down"] = time.monotonic() - t0
+        print(f"timings (s): { {k: round(v, 1) for k, v in timings.items()} }")
+        for launcher_file in (get_lock_path(name), get_state_path(name)):  # the local provider's records
+            Path(launcher_file).unlink(missing_ok=True)
     assert down.returncode == 0, tail(down)
     # `ray stop` waits for what it kills; allow stragglers of the killed raylet a moment to exit.
     deadline = time.monotonic() + 30

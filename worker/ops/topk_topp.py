@@ -68,9 +68,13 @@ def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, ws: Workspace) -> Non
     key = ws.get("topp_key", (h, v), torch.int64)
     key.copy_(probs.view(torch.int32))
     key.bitwise_right_shift_(_SHIFT)
-    hist = ws.get("topp_hist", (h, _NUM_BUCKETS), torch.float32).zero_()
-    hist.scatter_add_(1, key, probs)
-    from_top = hist.flip(-1).to(torch.float64).cumsum(-1)  # mass of every bucket >= this one
+    # Masses in float64, as the reference sums them: a float32 bucket of thousands of equal
+    # probabilities drifts by 1e-4 relative, enough to move the cut.
+    wide = ws.get("topp_f64", (h, v), torch.float64)
+    wide.copy_(probs)
+    hist = ws.get("topp_hist", (h, _NUM_BUCKETS), torch.float64).zero_()
+    hist.scatter_add_(1, key, wide)
+    from_top = hist.flip(-1).cumsum(-1)  # mass of every bucket >= this one
     target = p * from_top[:, -1]
     r = torch.searchsorted(from_top, target[:, None]).clamp_max(_NUM_BUCKETS - 1)  # first reaching it
     bucket = (_NUM_BUCKETS - 1) - r  # [h, 1]

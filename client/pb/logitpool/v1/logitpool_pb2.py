@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1clogitpool/v1/l
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'logitpool.v1.logitpool_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'client.pb.logitpool.v1.logitpool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JSONOBJECT_FIELDSENTRY']._loaded_options = None
