@@ -110,6 +110,27 @@ class _Drawn:
 
 
 @dataclass
+class _TopKRows:
+    """Phase 1 of the top-k rows: top-(kmax+1) candidates and the ambiguity flags' handle."""
+
+    vals: torch.Tensor
+    ids: torch.Tensor
+    ambiguous: int
+
+
+@dataclass
+class _FullRows:
+    """Phase 1 of the full-vocabulary rows: probabilities, block sums, probe, read handles."""
+
+    probs: torch.Tensor
+    bsum: torch.Tensor
+    valid: int
+    probe: _Candidates | None = None
+    probe_probs: torch.Tensor | None = None
+    probe_hits: int = -1
+
+
+@dataclass
 class _PendingTopK:
     vals: torch.Tensor
     ids: torch.Tensor
@@ -196,11 +217,13 @@ class Sampler:
         else:
             torch.index_select(x, 0, plan.raw.index, out=src)
         to_logprobs_(src, plan.raw_modes)
-        return src, self._topk_phase1(src, plan, host)
+        return src, self._logprob_topk_phase1(src, plan, host)
 
     # -- step 7 ----------------------------------------------------------------------------
 
-    def _greedy(self, x: torch.Tensor, plan: SamplingPlan, tokens: torch.Tensor, ok: torch.Tensor) -> torch.Tensor | None:
+    def _greedy(
+        self, x: torch.Tensor, plan: SamplingPlan, tokens: torch.Tensor, ok: torch.Tensor
+    ) -> torch.Tensor | None:
         """Greedy tokens into ``tokens``/``ok``; returns the processed-logits snapshot of greedy rows."""
         if not len(plan.greedy):
             return None
@@ -212,64 +235,93 @@ class Sampler:
         return x.index_select(0, plan.processed.index) if len(plan.processed) else None
 
     def _draw(
-        self, x: torch.Tensor, plan: SamplingPlan, ws: Workspace, host: _HostRead, tokens: torch.Tensor, ok: torch.Tensor
+        self,
+        x: torch.Tensor,
+        plan: SamplingPlan,
+        ws: Workspace,
+        host: _HostRead,
+        tokens: torch.Tensor,
+        ok: torch.Tensor,
     ) -> _Drawn:
-        """7c-7d for every random row; writes ``tokens`` and ``ok``."""
-        b, v = x.shape
-        nk, nf, ntp = len(plan.topk), len(plan.full), plan.n_top_p
+        """7c-7d for every random row; writes ``tokens`` and ``ok``.
+
+        Both row groups first queue their small routing results (phase 1), which the first
+        phase-2 ``host.get`` reads in one transfer.
+        """
         u = uniforms(plan.random_rows, plan.generators, self.generator, x.device)
+        nk = len(plan.topk)
         drawn = _Drawn()
-
-        # Phase 1: device work whose small results are read together.
-        if nk:
-            cand_v, cand_i = topk_candidates(x, plan.topk_kmax, rows=plan.topk.index)
-            amb = host.add(ambiguous(cand_v, plan.topk_k) & torch.isfinite(cand_v[:, 0]))
-        if nf:
-            probs = ws.get("probs", (nf, v), torch.float32)
-            if plan.full.rows == tuple(range(b)):
-                torch.softmax(x, -1, out=probs)
-            else:
-                torch.softmax(torch.index_select(x, 0, plan.full.index, out=probs), -1, out=probs)
-            bsum = row_block_sums(probs)
-            totals = bsum.to(torch.float64).sum(-1)
-            valid = host.add((totals > 0) & torch.isfinite(totals))
-            if ntp:
-                probe_ids, probe_probs, probe_keep, hit = top_p_probe(probs[:ntp], plan.top_p, totals[:ntp])
-                hits_h = host.add(hit)
-
-        # Phase 2.
-        if nk:
-            kmax = plan.topk_kmax
-            amb_rows = [i for i, a in enumerate(host.get(amb)) if a]
-            vals, ids = resolve_topk(x, cand_v, cand_i, plan.topk_k, kmax, amb_rows, rows=plan.topk.index)
-            in_k = torch.arange(kmax, device=x.device)[None, :] < plan.topk_k[:, None]
-            vals = vals.masked_fill(~in_k, _NEG_INF)
-            q = torch.softmax(vals, -1)
-            perm = _order_by_prob(q, ids)
-            vals, ids, q, in_k = vals.gather(1, perm), ids.gather(1, perm), q.gather(1, perm), in_k.gather(1, perm)
-            keep = top_p_keep(q, plan.topk_p) & in_k
-            col, row_ok = draw_weights(q * keep, u[:nk])
-            tokens.index_copy_(0, plan.topk.index, ids.gather(1, col[:, None]).squeeze(1))
+        topk = self._topk_phase1(x, plan, host) if nk else None
+        full = self._full_phase1(x, plan, ws, host) if len(plan.full) else None
+        if topk is not None:
+            tok, row_ok, drawn.topk = self._topk_phase2(x, plan, host, topk, u[:nk])
+            tokens.index_copy_(0, plan.topk.index, tok)
             ok.index_copy_(0, plan.topk.index, row_ok)
-            drawn.topk = _Candidates(ids, keep)
-        if nf:
-            row_valid = host.get(valid)
-            hits = host.get(hits_h) if ntp else []
-            hist = tuple(i for i in range(ntp) if row_valid[i] and not hits[i])
-            if hist:
-                self._nucleus_by_histogram(probs, bsum, hist, plan, ws)
-            tok, row_ok = draw_rows(probs, u[nk:], bsum)
-            if any(hits):
-                col, _ = draw_weights(probe_probs * probe_keep, u[nk : nk + ntp])
-                hit_t = torch.tensor(hits, dtype=torch.bool, device=x.device)
-                tok[:ntp] = torch.where(hit_t, probe_ids.gather(1, col[:, None]).squeeze(1), tok[:ntp])
-                drawn.probe = _Candidates(probe_ids, probe_keep)
-                drawn.probe_hits = hits
+        if full is not None:
+            tok, row_ok = self._full_phase2(plan, ws, host, full, u[nk:], drawn)
             tokens.index_copy_(0, plan.full.index, tok)
             ok.index_copy_(0, plan.full.index, row_ok)
-            drawn.probs = probs
-            drawn.histogram_rows = hist
         return drawn
+
+    @staticmethod
+    def _topk_phase1(x: torch.Tensor, plan: SamplingPlan, host: _HostRead) -> _TopKRows:
+        vals, ids = topk_candidates(x, plan.topk_kmax, rows=plan.topk.index)
+        # Ties of -inf at the k-th place change nothing observable (they carry no mass).
+        kth_finite = torch.isfinite(vals.gather(1, (plan.topk_k - 1)[:, None]).squeeze(1))
+        return _TopKRows(vals, ids, host.add(ambiguous(vals, plan.topk_k) & kth_finite))
+
+    @staticmethod
+    def _topk_phase2(
+        x: torch.Tensor, plan: SamplingPlan, host: _HostRead, pending: _TopKRows, u: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, _Candidates]:
+        """Exact top-k, then top-p over the renormalised candidates, then the draw among them."""
+        kmax = plan.topk_kmax
+        amb_rows = [i for i, a in enumerate(host.get(pending.ambiguous)) if a]
+        vals, ids = resolve_topk(x, pending.vals, pending.ids, plan.topk_k, kmax, amb_rows, rows=plan.topk.index)
+        in_k = torch.arange(kmax, device=x.device)[None, :] < plan.topk_k[:, None]
+        q = torch.softmax(vals.masked_fill(~in_k, _NEG_INF), -1)
+        perm = _order_by_prob(q, ids)
+        ids, q, in_k = ids.gather(1, perm), q.gather(1, perm), in_k.gather(1, perm)
+        keep = top_p_keep(q, plan.topk_p) & in_k
+        col, row_ok = draw_weights(q * keep, u)
+        return ids.gather(1, col[:, None]).squeeze(1), row_ok, _Candidates(ids, keep)
+
+    @staticmethod
+    def _full_phase1(x: torch.Tensor, plan: SamplingPlan, ws: Workspace, host: _HostRead) -> _FullRows:
+        """Softmax of the full rows, their block sums, and the top-p probe of the top-p rows."""
+        b, v = x.shape
+        probs = ws.get("probs", (len(plan.full), v), torch.float32)
+        if plan.full.rows == tuple(range(b)):
+            torch.softmax(x, -1, out=probs)
+        else:
+            torch.softmax(torch.index_select(x, 0, plan.full.index, out=probs), -1, out=probs)
+        bsum = row_block_sums(probs)
+        totals = bsum.to(torch.float64).sum(-1)
+        pending = _FullRows(probs, bsum, host.add((totals > 0) & torch.isfinite(totals)))
+        if plan.n_top_p:
+            ids, top, keep, hit = top_p_probe(probs[: plan.n_top_p], plan.top_p, totals[: plan.n_top_p])
+            pending.probe, pending.probe_probs, pending.probe_hits = _Candidates(ids, keep), top, host.add(hit)
+        return pending
+
+    def _full_phase2(
+        self, plan: SamplingPlan, ws: Workspace, host: _HostRead, pending: _FullRows, u: torch.Tensor, drawn: _Drawn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-p (probe hit, else histogram), then the two-level inverse-CDF draw."""
+        ntp, probs, bsum = plan.n_top_p, pending.probs, pending.bsum
+        valid = host.get(pending.valid)
+        hits = host.get(pending.probe_hits) if ntp else []
+        hist = tuple(i for i in range(ntp) if valid[i] and not hits[i])
+        if hist:
+            self._nucleus_by_histogram(probs, bsum, hist, plan, ws)
+        tok, row_ok = draw_rows(probs, u, bsum)
+        if any(hits):
+            assert pending.probe is not None and pending.probe_probs is not None
+            col, _ = draw_weights(pending.probe_probs * pending.probe.keep, u[:ntp])
+            hit_t = torch.tensor(hits, dtype=torch.bool, device=probs.device)
+            tok[:ntp] = torch.where(hit_t, pending.probe.ids.gather(1, col[:, None]).squeeze(1), tok[:ntp])
+            drawn.probe, drawn.probe_hits = pending.probe, hits
+        drawn.probs, drawn.histogram_rows = probs, hist
+        return tok, row_ok
 
     @staticmethod
     def _nucleus_by_histogram(
@@ -290,7 +342,7 @@ class Sampler:
     # -- step 8 ----------------------------------------------------------------------------
 
     @staticmethod
-    def _topk_phase1(src: torch.Tensor, plan: SamplingPlan, host: _HostRead) -> _PendingTopK | None:
+    def _logprob_topk_phase1(src: torch.Tensor, plan: SamplingPlan, host: _HostRead) -> _PendingTopK | None:
         k = min(plan.num_logprobs or 0, src.shape[1])
         if k <= 0:
             return None
@@ -321,7 +373,7 @@ class Sampler:
             sources.append((plan.raw.index, *raw))
         if len(plan.processed):
             src = to_logprobs_(self._processed_logits(x, plan, greedy_processed, drawn), plan.processed_modes)
-            sources.append((plan.processed.index, src, self._topk_phase1(src, plan, host)))
+            sources.append((plan.processed.index, src, self._logprob_topk_phase1(src, plan, host)))
         for rows, src, pending in sources:
             lp, rank = sampled_logprob_and_rank(src, tokens.index_select(0, rows), ws)
             lp_out[rows, 0] = lp
@@ -329,7 +381,9 @@ class Sampler:
             if pending is not None:
                 kk = torch.full((src.shape[0],), pending.k, dtype=torch.int64, device=src.device)
                 amb_rows = [i for i, a in enumerate(host.get(pending.handle)) if a]
-                vals, ids = sort_by_value_then_id(*resolve_topk(src, pending.vals, pending.ids, kk, pending.k, amb_rows))
+                vals, ids = sort_by_value_then_id(
+                    *resolve_topk(src, pending.vals, pending.ids, kk, pending.k, amb_rows)
+                )
                 lp_out[rows, 1 : 1 + pending.k] = vals
                 ids_out[rows, 1 : 1 + pending.k] = ids
         return LogprobsTensors(ids_out, lp_out, ranks)

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolConfig:
     return LogitpoolConfig.model_validate({
-        "engine": {"model": str(model_dir), "max_num_seqs": 32, "max_model_len": 512,
+        "engine": {"model": str(model_dir), "max_num_seqs": 32, "max_model_len": 2048,
                    "logits_processors": [DUMMY_FQCN]},
         "workers": {"num_replicas": 1, "num_cpus": 1, **workers},
         "server": {"http_port": http_port, "grpc_port": grpc_port},
@@ -43,7 +43,12 @@ def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolCon
 def serving(ray_cluster, tiny_model_dir):
     from cluster.cli import start_serve, wait_ready
 
-    cfg = config(tiny_model_dir, free_port(), free_port())
+    # Autoscaling between 1 and 2 worker replicas with short delays: light tests run on one
+    # replica, the load test grows the pool to two, which then stay (long downscale delay).
+    cfg = config(tiny_model_dir, free_port(), free_port(), num_replicas=None, autoscaling={
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
+        "downscale_delay_s": 3600, "metrics_interval_s": 0.5, "look_back_period_s": 2,
+    })
     start_serve(cfg)
     wait_ready("127.0.0.1", cfg.server.http_port, timeout_s=180)
     yield cfg
@@ -135,7 +140,7 @@ def test_openai_vllm_xargs_drive_the_custom_processor(oai, grpc_client):
                                extra_body={"vllm_xargs": {"target_token": TARGET}, "ignore_eos": True})
     ids = grpc_client.generate("hello", max_tokens=7, temperature=0.9, ignore_eos=True,
                                extra_args={"target_token": TARGET}).token_ids
-    assert ids == [TARGET] * 7
+    assert list(ids) == [TARGET] * 7
     assert r.choices[0].text == grpc_client.generate("hello", max_tokens=7, ignore_eos=True,
                                                      extra_args={"target_token": TARGET}).text
     with pytest.raises(openai.BadRequestError) as err:
@@ -168,7 +173,7 @@ def test_grpc_generate_stream_and_errors(grpc_client):
     assert c.usage.completion_tokens == 6
     assert len(c.logprobs) == 6 and all(p.rank >= 1 for p in c.logprobs)
     chunks = list(grpc_client.stream("def f(", max_tokens=6, temperature=0.0, ignore_eos=True))
-    assert [t for ch in chunks for t in ch.token_ids] == c.token_ids
+    assert [t for ch in chunks for t in ch.token_ids] == list(c.token_ids)
     assert "".join(ch.text for ch in chunks) == c.text
     with pytest.raises(InvalidArgument, match="target_token"):
         grpc_client.generate("x", extra_args={"target_token": 1.5})
@@ -219,30 +224,28 @@ def _load(target: str, stop: threading.Event, errors: list) -> None:
 
 
 def test_scale_worker_deployment_under_load(serving):
-    from ray import serve
-
-    from cluster.app import build_app
-
+    """Load grows the worker deployment from 1 to 2 replicas (Serve autoscaling); both serve."""
+    assert len(worker_infos(8)) == 1
     target = f"127.0.0.1:{serving.server.grpc_port}"
     stop, errors = threading.Event(), []
-    threads = [threading.Thread(target=_load, args=(target, stop, errors)) for _ in range(4)]
+    threads = [threading.Thread(target=_load, args=(target, stop, errors)) for _ in range(8)]
     for t in threads:
         t.start()
+    # Serve's router only reaches an idle replica when the others are busy, so replicas are
+    # observed while the load runs.
+    seen: dict[str, dict] = {}
     try:
-        scaled = serving.with_overrides(**{"workers.num_replicas": 2})
-        serve.run(build_app(scaled), name=APP, route_prefix="/", blocking=False)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            infos = worker_infos(8)
-            if len(infos) == 2 and all(i["num_requests"] > 0 for i in infos.values()):
+            seen.update(worker_infos(8))
+            if len(seen) == 2 and all(i["num_requests"] > 0 for i in seen.values()):
                 break
             time.sleep(0.5)
     finally:
         stop.set()
         for t in threads:
             t.join(60)
-    infos = worker_infos(16)
-    assert len(infos) == 2 and all(i["num_requests"] > 0 for i in infos.values()), infos
+    assert len(seen) == 2 and all(i["num_requests"] > 0 for i in seen.values()), seen
     assert not errors, errors[:3]
 
 
@@ -265,11 +268,24 @@ def test_sixty_four_streams_across_two_replicas(serving, tiny_model_dir):
 
             return await asyncio.gather(*(one(i) for i in range(64)))
 
-    results = asyncio.run(main())
+    busy: set[str] = set()
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            busy.update(rid for rid, i in worker_infos(4).items() if i["num_running"] > 0)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        results = asyncio.run(main())
+    finally:
+        done.set()
+        watcher.join(30)
     assert len(results) == 64
     for p, ids in results:
         assert ids == want[p]
-    assert len(worker_infos(16)) == 2
+    assert len(busy) == 2, "both replicas must have run streams"
 
 
 def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
@@ -282,14 +298,14 @@ def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
     def grpc_stream():
         with Client(target, timeout=90, max_retries=0) as c:
             try:
-                for _ in c.stream("forever", max_tokens=480, ignore_eos=True):
+                for _ in c.stream("forever", max_tokens=1900, ignore_eos=True):
                     pass
                 outcomes.append(("grpc", "completed", time.monotonic()))
             except Exception as exc:
                 outcomes.append(("grpc", exc, time.monotonic()))
 
     def http_call():
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "forever", "max_tokens": 480, "ignore_eos": True},
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "forever", "max_tokens": 1900, "ignore_eos": True},
                        timeout=90)
         outcomes.append(("http", r.status_code, time.monotonic()))
 
@@ -297,9 +313,10 @@ def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
+    infos: dict[str, dict] = {}
     while time.monotonic() < deadline:
         infos = worker_infos(8)
-        if sum(i["num_running"] for i in infos.values()) >= 6:
+        if len(infos) == 2 and sum(i["num_running"] for i in infos.values()) >= 6:
             break
         time.sleep(0.1)
     victim = max(infos.values(), key=lambda i: i["num_running"])

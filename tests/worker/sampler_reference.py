@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from hypothesis import strategies as st
 
 from worker.sampling_params import SamplingParams
 
@@ -149,7 +150,11 @@ def before_temperature(
 
 
 def processed(
-    row: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int], top_p_value: float | None = None
+    row: torch.Tensor,
+    params: SamplingParams,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    top_p_value: float | None = None,
 ) -> torch.Tensor:
     """Logits after step 7c of one row (greedy rows: after step 6)."""
     x = before_temperature(row, params, prompt, output)
@@ -162,7 +167,9 @@ def processed(
     return top_p(x, p)
 
 
-def distribution(row: torch.Tensor, params: SamplingParams, prompt: Sequence[int] = (), output: Sequence[int] = ()) -> torch.Tensor:
+def distribution(
+    row: torch.Tensor, params: SamplingParams, prompt: Sequence[int] = (), output: Sequence[int] = ()
+) -> torch.Tensor:
     """The probabilities step 7d must draw from (float64)."""
     return torch.softmax(processed(row, params, prompt, output).double(), -1)
 
@@ -189,3 +196,25 @@ def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
         return 1.0
     exp = exp * (obs.sum() / exp.sum())
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+@st.composite
+def logit_rows(draw: st.DrawFn, n: int, v: int, allow_neg_inf: bool = True) -> torch.Tensor:
+    """[n, v] float32 rows mixing the hard cases: many equal values, a single peak, -inf holes."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    kind = draw(st.sampled_from(["ties", "peak", "normal", "few_levels"]))
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        x = torch.zeros(n, v)
+    elif kind == "peak":
+        x = torch.zeros(n, v)
+        x[torch.arange(n), torch.randint(0, v, (n,), generator=g)] = 3.0
+    elif kind == "few_levels":
+        x = torch.randint(-2, 3, (n, v), generator=g).float()
+    else:
+        x = torch.randn(n, v, generator=g)
+    if allow_neg_inf and draw(st.booleans()):
+        holes = torch.rand(n, v, generator=g) < 0.3
+        x = x.masked_fill(holes, float("-inf"))
+        x[:, 0] = torch.where(torch.isinf(x[:, 0]), 0.0, x[:, 0])  # keep a finite logit per row
+    return x

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker import sampler_reference as ref
-from tests.worker.ops.rows import logit_rows
+from tests.worker.sampler_reference import logit_rows
 from worker.logits_processor.builtin import (
     AllowedTokenIdsLogitsProcessor,
     BadWordsLogitsProcessor,
@@ -74,7 +74,12 @@ def test_no_active_row_returns_input_untouched(cls: type) -> None:
 
 def test_argmax_invariance_flags() -> None:
     assert MinPLogitsProcessor(None, CPU, False).is_argmax_invariant()
-    for cls in (AllowedTokenIdsLogitsProcessor, BadWordsLogitsProcessor, MinTokensLogitsProcessor, LogitBiasLogitsProcessor):
+    for cls in (
+        AllowedTokenIdsLogitsProcessor,
+        BadWordsLogitsProcessor,
+        MinTokensLogitsProcessor,
+        LogitBiasLogitsProcessor,
+    ):
         assert not cls(None, CPU, False).is_argmax_invariant()
     assert not PenaltiesLogitsProcessor(None, CPU, False).is_argmax_invariant()
 
@@ -118,7 +123,9 @@ def test_state_follows_moves_and_swaps() -> None:
     proc = LogitBiasLogitsProcessor(None, CPU, False)
     pa, pb = SamplingParams(logit_bias={1: 5.0}), SamplingParams(logit_bias={2: -5.0})
     proc.update_state(BatchUpdate(3, [], [], [(0, pa, None, []), (2, pb, None, [])]))
-    proc.update_state(BatchUpdate(2, [1], [(2, 1, MoveDirectionality.UNIDIRECTIONAL), (0, 1, MoveDirectionality.SWAP)], []))
+    proc.update_state(
+        BatchUpdate(2, [1], [(2, 1, MoveDirectionality.UNIDIRECTIONAL), (0, 1, MoveDirectionality.SWAP)], [])
+    )
     x = proc.apply(torch.zeros(2, V))
     assert x[0, 2].item() == -5.0 and x[1, 1].item() == 5.0
     assert x.abs().sum().item() == 10.0
@@ -128,7 +135,9 @@ def test_min_p_keeps_ties_with_the_max_and_skips_greedy_rows() -> None:
     proc = MinPLogitsProcessor(None, CPU, False)
     params = [SamplingParams(min_p=1.0), SamplingParams(temperature=0.0, min_p=0.9), SamplingParams(min_p=0.5)]
     _add_all(proc, params, [[], [], []])
-    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, 3.0, 3.0, 2.0], [0.0, 0.0, -0.6931, -0.7]]).repeat_interleave(12, 1)[:, :V]
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, 3.0, 3.0, 2.0], [0.0, 0.0, -0.6931, -0.7]]).repeat_interleave(12, 1)[
+        :, :V
+    ]
     got = proc.apply(x.clone())
     assert torch.equal(torch.isfinite(got[0]), x[0] == 3.0)
     assert torch.equal(got[1], x[1])

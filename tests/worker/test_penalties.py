@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker import sampler_reference as ref
-from tests.worker.ops.rows import logit_rows
+from tests.worker.sampler_reference import logit_rows
 from worker.logits_processor.interface import BatchUpdate, MoveDirectionality
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
 from worker.sampling_params import SamplingParams
@@ -44,7 +44,9 @@ def test_matches_reference_and_touches_only_seen_tokens(data: st.DataObject, see
             if not p.uses_penalties:
                 assert torch.equal(got[r], x[r])
                 continue
-            want = ref.penalties(x[r], prompts[r], outputs[r], p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+            want = ref.penalties(
+                x[r], prompts[r], outputs[r], p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+            )
             assert torch.equal(got[r], want)
             unseen = sorted(set(range(V)) - set(prompts[r]) - set(outputs[r]))
             assert torch.equal(got[r, unseen], x[r, unseen])
@@ -76,7 +78,9 @@ def test_repetition_over_prompt_and_output_by_sign() -> None:
 
 def test_rows_follow_a_swap() -> None:
     proc = PenaltiesLogitsProcessor(None, CPU, False)
-    proc.update_state(BatchUpdate(2, [], [], [(0, SamplingParams(presence_penalty=1.0), None, [7]), (1, SamplingParams(), None, [8])]))
+    proc.update_state(
+        BatchUpdate(2, [], [], [(0, SamplingParams(presence_penalty=1.0), None, [7]), (1, SamplingParams(), None, [8])])
+    )
     proc.update_state(BatchUpdate(2, [], [(0, 1, MoveDirectionality.SWAP)], []))
     x = proc.apply(torch.zeros(2, V))
     assert x[1, 7].item() == -1.0 and x.abs().sum().item() == 1.0

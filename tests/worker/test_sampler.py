@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.worker import sampler_reference as ref
-from tests.worker.ops.rows import logit_rows
+from tests.worker.sampler_reference import logit_rows
 from worker.batch import PersistentBatch
 from worker.logits_processor.builtin import MinPLogitsProcessor
 from worker.logits_processor.errors import ProcessorError
@@ -104,7 +104,12 @@ def test_processed_logits_match_reference(data: st.DataObject, seed: int, n: int
         top_p = float(torch.tensor(p.top_p, dtype=torch.float32))
         row = ref.processed(x[r], p, prompts[r], outputs[r])
         if not p.is_greedy and top_p < 1.0 and torch.isfinite(row).any():
-            pre = ref.top_k(ref.min_p(ref.before_temperature(x[r], p, prompts[r], outputs[r]) / torch.tensor(p.temperature), p.min_p), p.top_k)
+            pre = ref.top_k(
+                ref.min_p(
+                    ref.before_temperature(x[r], p, prompts[r], outputs[r]) / torch.tensor(p.temperature), p.min_p
+                ),
+                p.top_k,
+            )
             assume(ref.top_p_margin(pre, top_p) > 1e-5)
         want.append(row)
     out = sample(params, x, prompts=prompts, outputs=outputs)
@@ -149,7 +154,9 @@ def _designed_row(kind: str, v: int) -> torch.Tensor:
 def test_draws_follow_softmax_of_processed_logits(params: SamplingParams, kind: str, v: int) -> None:
     row = _designed_row(kind, v)
     n = 4000 if v < 1000 else 1500
-    tokens = torch.cat([sample([params] * n, row.expand(n, v), seed=s).sampled_token_ids for s in range(1 if v < 1000 else 4)])
+    tokens = torch.cat(
+        [sample([params] * n, row.expand(n, v), seed=s).sampled_token_ids for s in range(1 if v < 1000 else 4)]
+    )
     assert ref.chi2_pvalue(tokens, ref.distribution(row, params)) > P_MIN
 
 
@@ -256,7 +263,16 @@ def test_no_finite_logit_flags_only_that_row() -> None:
     doomed_greedy = SamplingParams(temperature=0.0, allowed_token_ids=[banned], bad_words=["a"])
     doomed_greedy.update_from_tokenizer(tok)
     fine = [SamplingParams(), SamplingParams(top_k=3), SamplingParams(temperature=0.0), SamplingParams(top_p=0.5)]
-    params = [fine[0], doomed, fine[1], doomed_greedy, fine[2], fine[3], SamplingParams(top_k=3), SamplingParams(top_p=0.5)]
+    params = [
+        fine[0],
+        doomed,
+        fine[1],
+        doomed_greedy,
+        fine[2],
+        fine[3],
+        SamplingParams(top_k=3),
+        SamplingParams(top_p=0.5),
+    ]
     x = torch.randn(len(params), v)
     x[6] = float("-inf")  # top-k row with nothing finite
     x[7, 5] = float("nan")  # a NaN logit poisons the row

@@ -35,7 +35,9 @@ MIXES = ("a", "b", "c", "d")
 TEMPERATURES = (0.0, 0.3, 0.6, 0.9, 1.2, 1.5)
 
 
-def mix_params(mix: str, batch_size: int, vocab_size: int, seed: int) -> list[tuple[SamplingParams, list[int], list[int]]]:
+def mix_params(
+    mix: str, batch_size: int, vocab_size: int, seed: int
+) -> list[tuple[SamplingParams, list[int], list[int]]]:
     """(params, prompt ids, output ids) per row for ``mix``."""
     rng = random.Random(seed)
     if mix == "a":
@@ -93,7 +95,9 @@ class Result:
         return self.sampler_ms / self.copy_ms
 
 
-def run_case(batch_size: int, vocab_size: int, mix: str, *, scale: float = 1.0, warmup: int = 3, repeats: int = 20, seed: int = 0) -> Result:
+def run_case(
+    batch_size: int, vocab_size: int, mix: str, *, scale: float = 1.0, warmup: int = 3, repeats: int = 20, seed: int = 0
+) -> Result:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch_size, vocab_size, generator=g) * scale
     buf = torch.empty_like(logits)
@@ -108,7 +112,9 @@ def run_case(batch_size: int, vocab_size: int, mix: str, *, scale: float = 1.0, 
     sampler_ms = _median_ms(lambda: sampler(buf, md), lambda: buf.copy_(logits), warmup, repeats)
     copy_ms = _median_ms(lambda: dst.copy_(logits), noop, warmup, repeats)
     clone_ms = _median_ms(lambda: logits.clone(), noop, warmup, repeats)
-    return Result(batch_size, vocab_size, mix, "randn" if scale == 1.0 else f"randn*{scale:g}", sampler_ms, copy_ms, clone_ms)
+    return Result(
+        batch_size, vocab_size, mix, "randn" if scale == 1.0 else f"randn*{scale:g}", sampler_ms, copy_ms, clone_ms
+    )
 
 
 def table(results: Sequence[Result]) -> str:
@@ -125,7 +131,9 @@ def table(results: Sequence[Result]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="logitpool bench sampler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="logitpool bench sampler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--vocab-sizes", type=int, nargs="+", default=[32000, 128256])
     ap.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES))

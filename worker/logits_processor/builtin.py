@@ -73,7 +73,9 @@ class AllowedTokenIdsLogitsProcessor(_SparseRows[tuple[int, ...]]):
     write the saved values back. Cost is one row fill plus the allowed ids, no [rows, V] mask.
     """
 
-    def _state(self, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> tuple[int, ...] | None:
+    def _state(
+        self, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> tuple[int, ...] | None:
         if params.allowed_token_ids is None:
             return None
         return tuple(sorted(set(params.allowed_token_ids)))

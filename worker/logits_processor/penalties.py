@@ -4,7 +4,8 @@ Repetition divides positive logits by ``r`` (multiplies the others) over every t
 has seen, prompt or output; then frequency and presence subtract over OUTPUT tokens only:
 ``x -= f * count``, ``x -= p * (count > 0)``. Only seen (row, token) pairs are touched. The
 prompt's distinct tokens are computed once per request, the flat prompt keys once per batch
-change; the output part is read from the live lists every step.
+change; the output part is read from the live lists every step. Keys are made distinct on the
+host, where the lists are, so the device never waits on a ``unique``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from worker.logits_processor.builtin import _SparseRows
-from worker.ops.penalties import apply_frequency_presence_, apply_repetition_
+from worker.ops.penalties import apply_frequency_presence_, apply_repetition_, seen_keys
 from worker.sampling_params import SamplingParams
 
 
@@ -51,12 +52,12 @@ class PenaltiesLogitsProcessor(_SparseRows[_Penalties]):
         self._freq = self._stage([s.frequency for _, s in items], torch.float32)
         self._pres = self._stage([s.presence for _, s in items], torch.float32)
         uses_rep = [s.repetition != 1.0 for _, s in items]
-        self._uses_rep = self._stage(uses_rep, torch.bool)
+        self._uses_rep = torch.tensor(uses_rep, dtype=torch.bool)  # host: keys are built there
         self._any_rep = any(uses_rep)
         self._any_fp = any(s.frequency != 0.0 or s.presence != 0.0 for _, s in items)
         keys = [s.prompt_tokens + i * vocab_size for i, (_, s) in enumerate(items) if s.prompt_tokens.numel()]
-        host = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
-        self._prompt_keys = self._stage(host, torch.int64)
+        # Sorted and distinct: rows are in order and each row's ids come from torch.unique.
+        self._prompt_keys = torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.states:
@@ -64,14 +65,20 @@ class PenaltiesLogitsProcessor(_SparseRows[_Penalties]):
         v = logits.shape[1]
         self._ensure_built(v)
         outputs = [s.output for _, s in self._items]
-        lengths = [len(o) for o in outputs]
-        local = torch.repeat_interleave(torch.arange(len(outputs)), torch.tensor(lengths, dtype=torch.int64))
-        host_keys = local * v + torch.tensor(list(chain.from_iterable(outputs)), dtype=torch.int64)
-        out_keys = self._stage(host_keys, torch.int64)
+        lengths = torch.tensor([len(o) for o in outputs], dtype=torch.int64)
+        local = torch.repeat_interleave(torch.arange(len(outputs)), lengths)
+        out_keys = local * v + torch.tensor(list(chain.from_iterable(outputs)), dtype=torch.int64)
         if self._any_rep:
-            rep_out = out_keys[self._uses_rep[out_keys // v]]
-            seen = torch.unique(torch.cat([self._prompt_keys, rep_out]))
-            apply_repetition_(logits, self._rows, self._rep, seen)
+            seen = seen_keys(self._prompt_keys, out_keys[self._uses_rep[local]])
+            apply_repetition_(logits, self._rows, self._rep, self._stage(seen, torch.int64))
         if self._any_fp:
-            apply_frequency_presence_(logits, self._rows, self._freq, self._pres, out_keys)
+            keys, counts = torch.unique(out_keys, return_counts=True)
+            apply_frequency_presence_(
+                logits,
+                self._rows,
+                self._freq,
+                self._pres,
+                self._stage(keys, torch.int64),
+                self._stage(counts, torch.int64),
+            )
         return logits

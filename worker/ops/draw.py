@@ -30,7 +30,10 @@ def uniforms(
     u = torch.rand(len(rows), dtype=torch.float64, generator=default, device=gen_device).to(device)
     seeded = [i for i, r in enumerate(rows) if r in generators]
     if seeded:
-        own = [torch.rand(1, dtype=torch.float64, generator=generators[rows[i]], device=generators[rows[i]].device) for i in seeded]
+        own = [
+            torch.rand(1, dtype=torch.float64, generator=generators[rows[i]], device=generators[rows[i]].device)
+            for i in seeded
+        ]
         u.index_copy_(0, torch.tensor(seeded, device=device), torch.cat([t.to(device) for t in own]))
     return u
 
@@ -59,7 +62,9 @@ def draw_weights(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     return search(w, u * torch.where(ok, total, 0.0)), ok
 
 
-def draw_rows(probs: torch.Tensor, u: torch.Tensor, block_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_rows(
+    probs: torch.Tensor, u: torch.Tensor, block_sums: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token id [n], ok [n]) drawn from full rows of weights ``probs`` [n, V] (float32, >= 0).
 
     ``block_sums`` ([n, nb], as ``row_block_sums`` returns) may be passed when already computed.

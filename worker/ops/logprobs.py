@@ -20,7 +20,9 @@ def to_logprobs_(src: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
     return src
 
 
-def sampled_logprob_and_rank(src: torch.Tensor, sampled: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+def sampled_logprob_and_rank(
+    src: torch.Tensor, sampled: torch.Tensor, ws: Workspace
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([n] value of ``src`` at ``sampled``, [n] int64 rank = count(src >= that value), 1-based).
 
     Counted through a float32 0/1 tensor: summing floats is vectorised where a bool sum is not,

@@ -1,9 +1,9 @@
 """Repetition, frequency and presence penalties on exactly the (row, token) pairs a row has seen.
 
-No [B, V] temporaries: seen tokens are flat keys ``local_row * V + token``; ``unique`` gives
-the distinct keys (and output counts), and each penalty is a gather-modify-scatter over them.
-The float operations are the reference ones, elementwise, so results are bit-identical to
-applying the formulas row by row.
+No [B, V] temporaries: seen tokens are flat keys ``local_row * V + token``, made distinct on the
+host (the lists live there, and a device ``unique`` would cost a sync); each penalty is then a
+gather-modify-scatter over those keys. The float operations are the reference ones,
+elementwise, so results are bit-identical to applying the formulas row by row.
 """
 
 from __future__ import annotations
@@ -11,15 +11,24 @@ from __future__ import annotations
 import torch
 
 
-def apply_repetition_(logits: torch.Tensor, rows: torch.Tensor, penalty: torch.Tensor, seen_keys: torch.Tensor) -> None:
-    """``x / r`` where ``x > 0`` else ``x * r`` at every key of ``seen_keys`` (unique, local_row * V + tok).
+def seen_keys(prompt_keys: torch.Tensor, output_keys: torch.Tensor) -> torch.Tensor:
+    """Distinct keys of prompt ∪ output (host tensors; ``prompt_keys`` sorted and distinct)."""
+    out = torch.unique(output_keys)
+    if prompt_keys.numel() == 0 or out.numel() == 0:
+        return torch.cat([prompt_keys, out])
+    pos = torch.searchsorted(prompt_keys, out).clamp_max(prompt_keys.numel() - 1)
+    return torch.cat([prompt_keys, out[prompt_keys[pos] != out]])
+
+
+def apply_repetition_(logits: torch.Tensor, rows: torch.Tensor, penalty: torch.Tensor, keys: torch.Tensor) -> None:
+    """``x / r`` where ``x > 0`` else ``x * r`` at every distinct key ``local_row * V + tok``.
 
     ``rows`` [n] maps a local row to its batch row; ``penalty`` [n] float32.
     """
-    if seen_keys.numel() == 0:
+    if keys.numel() == 0:
         return
     v = logits.shape[1]
-    local, tok = seen_keys // v, seen_keys % v
+    local, tok = keys // v, keys % v
     r = penalty[local]
     at = (rows[local], tok)
     x = logits[at]
@@ -31,13 +40,13 @@ def apply_frequency_presence_(
     rows: torch.Tensor,
     frequency: torch.Tensor,
     presence: torch.Tensor,
-    output_keys: torch.Tensor,
+    keys: torch.Tensor,
+    counts: torch.Tensor,
 ) -> None:
-    """``x -= f * count`` then ``x -= p * (count > 0)`` over output tokens (keys may repeat)."""
-    if output_keys.numel() == 0:
+    """``x -= f * count`` then ``x -= p * (count > 0)`` at distinct output ``keys`` with their ``counts``."""
+    if keys.numel() == 0:
         return
     v = logits.shape[1]
-    keys, counts = torch.unique(output_keys, return_counts=True)
     local, tok = keys // v, keys % v
     at = (rows[local], tok)
     x = logits[at]

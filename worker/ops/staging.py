@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import torch
 
 
-def stage(values: Sequence[int] | Sequence[float] | torch.Tensor, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+def stage(
+    values: Sequence[int] | Sequence[float] | torch.Tensor, dtype: torch.dtype, device: torch.device, pin: bool
+) -> torch.Tensor:
     """A device tensor of ``values``; through pinned memory and a non-blocking copy when ``pin``."""
     host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cpu":

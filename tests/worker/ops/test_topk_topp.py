@@ -6,7 +6,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tests.worker.ops.rows import logit_rows
+from tests.worker.sampler_reference import logit_rows
 from tests.worker.sampler_reference import order, top_p_kept, top_p_margin
 from worker.ops.topk_topp import top_p_histogram_, top_p_keep, top_p_probe
 from worker.ops.workspace import Workspace
