@@ -63,10 +63,8 @@ def start_serve(cfg: Any, address: str | None = None) -> Any:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from cluster.app import build_app, resolve_model
     from cluster.serve_config import GRPC_SERVICER_FUNCTIONS
 
-    cfg = resolve_model(cfg)
     if not ray.is_initialized():
         if address is None:
             # A local cluster: logical CPUs are scheduling slots, not cores; leave room for the
@@ -78,6 +76,16 @@ def start_serve(cfg: Any, address: str | None = None) -> Any:
         http_options={"host": cfg.server.host, "port": cfg.server.http_port},
         grpc_options=gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
     )
+    return deploy(cfg)
+
+
+def deploy(cfg: Any) -> Any:
+    """(Re)deploy the application on a running Serve instance; returns the resolved config."""
+    from ray import serve
+
+    from cluster.app import build_app, resolve_model
+
+    cfg = resolve_model(cfg)
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
     return cfg
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,28 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_SITE = REPO_ROOT / "tests" / "fixtures" / "plugin_site"
 
 from tests.worker.model_fixtures import tiny_loaded, tiny_model, tiny_model_dir, tiny_model_path  # noqa: E402,F401
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_ports(ray_cluster) -> tuple[int, int]:
+    """Serve's HTTP and gRPC proxies, started once; test modules deploy their apps onto them."""
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from cluster.serve_config import GRPC_SERVICER_FUNCTIONS
+
+    http_port, grpc_port = free_port(), free_port()
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": http_port},
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
+    )
+    return http_port, grpc_port
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ Ray cluster); tests run in file order because scaling and killing change the dep
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -23,12 +22,6 @@ APP = "logitpool"
 TARGET = 67
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolConfig:
     return LogitpoolConfig.model_validate({
         "engine": {"model": str(model_dir), "max_num_seqs": 32, "max_model_len": 2048,
@@ -40,16 +33,16 @@ def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolCon
 
 
 @pytest.fixture(scope="module")
-def serving(ray_cluster, tiny_model_dir):
-    from cluster.cli import start_serve, wait_ready
+def serving(serve_ports, tiny_model_dir):
+    from cluster.cli import deploy, wait_ready
 
     # Autoscaling between 1 and 2 worker replicas with short delays: light tests run on one
     # replica, the load test grows the pool to two, which then stay (long downscale delay).
-    cfg = config(tiny_model_dir, free_port(), free_port(), num_replicas=None, autoscaling={
+    cfg = config(tiny_model_dir, *serve_ports, num_replicas=None, autoscaling={
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
         "downscale_delay_s": 3600, "metrics_interval_s": 0.5, "look_back_period_s": 2,
     })
-    start_serve(cfg)
+    deploy(cfg)
     wait_ready("127.0.0.1", cfg.server.http_port, timeout_s=180)
     yield cfg
     from ray import serve
@@ -324,7 +317,7 @@ def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
     assert held >= 1
     name = next(a for a in ray.util.list_named_actors(all_namespaces=True) if victim["replica_id"] in a["name"])
     killed_at = time.monotonic()
-    ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=False)
+    ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
     for t in threads:
         t.join(90)
     assert all(not t.is_alive() for t in threads), "no request may hang"
