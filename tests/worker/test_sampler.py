@@ -346,3 +346,18 @@ def test_logprobs_modes_topk_and_rank() -> None:
     assert out.sampled_token_ids[4].item() == 1
     assert lp.logprobs[4, 0].item() == raw_lp[1].item() and lp.ranks[4].item() == 3
     assert lp.ranks[5].item() == -1 and lp.token_ids[5, 0].item() == 1 and lp.token_ids[5, 1:].tolist() == [-1] * 3
+
+
+# -- the benchmark runs ---------------------------------------------------------------------------
+
+
+def test_bench_main_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.bench.sampler import main, mix_params
+
+    argv = ["--batch-sizes", "4", "--vocab-sizes", "300", "--repeats", "2", "--warmup", "1", "--no-peaked"]
+    assert main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 | 300 |")]
+    assert len(rows) == 8  # four mixes, streamed and then in the final table
+    c = [p for p, _, _ in mix_params("c", 64, 300, 0)]
+    assert c[0].is_greedy and c[1].temperature == 0.9 and all(p.seed is not None for p in c)
+    assert all(p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in c if p.is_greedy)

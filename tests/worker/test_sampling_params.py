@@ -89,7 +89,6 @@ VALID: list[dict[str, Any]] = [
     {"allowed_token_ids": [0]},
     {"logit_bias": {0: -100.0, 5: 100}},
     {"stop": "x"},
-    {"extra_args": {}},
 ]
 
 
@@ -101,6 +100,12 @@ def test_edge_values_are_accepted(kwargs: dict[str, Any]) -> None:
             assert p.stop == [value]
         elif name != "logit_bias":
             assert getattr(p, name) == value
+
+
+def test_empty_extra_args_mean_none() -> None:
+    """vLLM-style validate_params (`params.extra_args and ...`) must see None, not {}."""
+    assert SamplingParams(extra_args={}).extra_args is None
+    assert SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1}
 
 
 def test_logit_bias_string_keys_become_token_ids() -> None:
