@@ -20,6 +20,7 @@ import httpx
 import torch
 
 from client import AsyncClient
+from worker.bench.engine import pct
 
 Stream = Callable[[int, list[int]], AsyncIterator[int]]
 
@@ -32,11 +33,6 @@ class Row:
     ttft_p99: float
     itl_p50: float
     itl_p99: float
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 async def measure(stream: Stream, prompts: list[list[int]]) -> Row:

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
@@ -145,7 +144,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
             body: CompletionRequest = await self._parse(request, CompletionRequest)
             params = body.sampling_params()
             prompts = self.check_request(params, body.prompts())
-        except (ValueError, ValidationError, Exception) as exc:
+        except Exception as exc:
             return self._error(exc)
         rid = new_id("cmpl")
         model = body.model or self.model_name
@@ -239,22 +238,26 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         self.metrics.request("http", 200, tokens=n_tokens)
         yield "data: [DONE]\n\n"
 
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> Response:
+    def _denied(self, request: Request) -> Response | None:
+        """The 401 response when the API key is missing or wrong, else None."""
         try:
             self.api_keys.check(request.headers.get("authorization"))
         except Exception as exc:
             return self._error(exc)
+        return None
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        if denied := self._denied(request):
+            return denied
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "logitpool"}
         ]})
 
     @api.get("/v1/processors")
     async def list_processors(self, request: Request) -> Response:
-        try:
-            self.api_keys.check(request.headers.get("authorization"))
-        except Exception as exc:
-            return self._error(exc)
+        if denied := self._denied(request):
+            return denied
         return JSONResponse({"object": "list", "data": self.processors.describe()})
 
     @api.get("/health")

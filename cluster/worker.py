@@ -55,8 +55,8 @@ class LogitpoolWorker:
         }
 
     async def check_health(self) -> None:
-        if self.engine._dead is not None:
-            raise RuntimeError(f"engine loop stopped: {self.engine._dead!r}")
+        if self.engine.dead is not None:
+            raise RuntimeError(f"engine loop stopped: {self.engine.dead!r}")
 
 
 WorkerDeployment = serve.deployment(name="LogitpoolWorker")(LogitpoolWorker)

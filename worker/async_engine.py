@@ -1,24 +1,29 @@
 """AsyncEngine: many concurrent streams sharing one engine loop.
 
-The engine steps in one dedicated thread (torch releases the GIL), so the event loop stays free
-to stream outputs while the model runs. Requests and aborts go through the engine's inbox.
-A consumer that stops iterating aborts its request; it leaves the batch at the next step.
+The engine steps back to back in one dedicated thread (torch releases the GIL), and hands each
+step's outputs to the event loop with ``call_soon_threadsafe``: streaming the outputs of step t
+overlaps with computing step t+1, so the event loop never stalls the batch. Requests and aborts
+go through the engine's inbox. A consumer that stops iterating aborts its request; it leaves
+the batch at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
 from worker.models import LoadedModel
-from worker.outputs import FinishReason, OutputAccumulator, RequestOutput
+from worker.outputs import OutputAccumulator, RequestOutput
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# How long the idle engine thread sleeps between checks for work (it is woken at once on new work).
+_IDLE_WAIT_S = 0.5
 
 
 class EngineDeadError(RuntimeError):
@@ -29,14 +34,19 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
         self.engine = LLMEngine(config, loaded=loaded)
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitpool-engine")
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task[None] | None = None
-        self._dead: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._work = threading.Event()
+        self._stopping = False
+        self.dead: BaseException | None = None
 
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
 
     def validate(self, params: SamplingParams) -> None:
         self.engine.validate(params)
@@ -48,15 +58,16 @@ class AsyncEngine:
 
         Raises ValueError before admission when the request is invalid.
         """
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop stopped: {self._dead!r}")
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {self.dead!r}")
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already running")
         parent = self.engine.prepare(request_id, prompt, params)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
+        self._ensure_thread()
         self.engine.add_prepared(parent)
-        self._kick()
+        self._work.set()
         acc = OutputAccumulator()
         finished = False
         try:
@@ -70,54 +81,52 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.engine.abort_request(request_id)
-                self._kick()
+                self._work.set()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
-        self._kick()
+        self._work.set()
 
-    def _kick(self) -> None:
-        if self._loop_task is None:
-            self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-        assert self._wakeup is not None
-        self._wakeup.set()
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="logitpool-engine", daemon=True)
+            self._thread.start()
 
-    async def _run(self) -> None:
-        assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
-        while True:
+    def _run(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while not self._stopping:
             if not self.engine.has_unfinished():
-                await self._wakeup.wait()
-                self._wakeup.clear()
+                self._work.wait(_IDLE_WAIT_S)
+                self._work.clear()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = self.engine.step()
             except Exception as exc:  # an engine bug: fail everyone loudly rather than hang
                 logger.exception("engine step failed")
-                self._dead = exc
-                for q in self._queues.values():
-                    q.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
+                self.dead = exc
+                loop.call_soon_threadsafe(self._fail_all, exc)
                 return
-            for out in outputs:
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
-            await asyncio.sleep(0)
+            if outputs:
+                loop.call_soon_threadsafe(self._dispatch, outputs)
 
-    @property
-    def num_running(self) -> int:
-        return self.engine.num_running
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._loop_task = None
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._stopping = True
+        self._work.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "FinishReason"]
+__all__ = ["AsyncEngine", "EngineDeadError"]

@@ -86,7 +86,6 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._num_pending = 0
         self.num_steps = 0
         self.num_condense_moves = 0
         self.num_swaps = 0
@@ -128,7 +127,6 @@ class LLMEngine:
         return _Parent(request_id, prompt if isinstance(prompt, str) else None, ids, children)
 
     def add_prepared(self, parent: _Parent) -> None:
-        self._num_pending += 1
         self._inbox.put(("add", parent))
 
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams) -> str:
@@ -140,7 +138,7 @@ class LLMEngine:
         self._inbox.put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self._parents) or self._num_pending > 0 or not self._inbox.empty()
+        return bool(self._parents) or not self._inbox.empty()
 
     @property
     def num_running(self) -> int:
@@ -154,7 +152,6 @@ class LLMEngine:
                 return
             if kind == "add":
                 assert isinstance(item, _Parent)
-                self._num_pending -= 1
                 if item.request_id in self._parents:
                     for child in item.children:
                         child.finish(FinishReason.ERROR, error=f"duplicate request id {item.request_id!r}")

@@ -193,7 +193,7 @@ class Sampler:
 
         tokens = torch.full((plan.batch_size,), -1, dtype=torch.int64, device=x.device)
         ok = torch.ones(plan.batch_size, dtype=torch.bool, device=x.device)
-        greedy_processed = self._greedy(x, plan, tokens, ok)  # 7
+        greedy_processed = self._greedy(x, plan, ws, tokens, ok)  # 7
         drawn = None
         if not plan.all_greedy:
             x.div_(plan.divisor)  # 7a
@@ -222,15 +222,19 @@ class Sampler:
     # -- step 7 ----------------------------------------------------------------------------
 
     def _greedy(
-        self, x: torch.Tensor, plan: SamplingPlan, tokens: torch.Tensor, ok: torch.Tensor
+        self, x: torch.Tensor, plan: SamplingPlan, ws: Workspace, tokens: torch.Tensor, ok: torch.Tensor
     ) -> torch.Tensor | None:
         """Greedy tokens into ``tokens``/``ok``; returns the processed-logits snapshot of greedy rows."""
         if not len(plan.greedy):
             return None
-        vals, ids = row_argmax(x)
         g = plan.greedy.index
-        tokens.index_copy_(0, g, ids.index_select(0, g))
-        ok.index_copy_(0, g, torch.isfinite(vals.index_select(0, g)))
+        if 3 * len(plan.greedy) < plan.batch_size:  # few greedy rows: gathering them beats a full read
+            rows = torch.index_select(x, 0, g, out=ws.get("greedy_rows", (len(plan.greedy), x.shape[1]), x.dtype))
+            vals, ids = row_argmax(rows)
+        else:
+            vals, ids = (t.index_select(0, g) for t in row_argmax(x))
+        tokens.index_copy_(0, g, ids)
+        ok.index_copy_(0, g, torch.isfinite(vals))
         # Greedy rows' processed logits are fixed here: 7b must not change a greedy row's results.
         return x.index_select(0, plan.processed.index) if len(plan.processed) else None
 
@@ -334,7 +338,7 @@ class Sampler:
             bsum[: len(rows)] = row_block_sums(part)
             return
         idx = torch.tensor(rows, device=probs.device)
-        part = probs.index_select(0, idx)
+        part = torch.index_select(probs, 0, idx, out=ws.get("histogram_rows", (len(rows), probs.shape[1]), probs.dtype))
         top_p_histogram_(part, plan.top_p.index_select(0, idx), ws)
         probs.index_copy_(0, idx, part)
         bsum.index_copy_(0, idx, row_block_sums(part))

@@ -19,6 +19,7 @@ import torch
 
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.llm import LLM
 from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model
 from worker.sampling_params import SamplingParams
 
@@ -82,6 +83,14 @@ async def run_engine(engine: AsyncEngine, prompts: list[list[int]], new_tokens: 
     return Result(sum(counts) / wall, 1e3 * statistics.median(ttfts), 1e3 * pct(itls, 0.5), 1e3 * pct(itls, 0.99))
 
 
+def run_offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    """Output tokens/s of the same engine driven synchronously (`LLM.generate`, no event loop)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+
+
 def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, batched: bool) -> float:
     """Output tokens/s of transformers' generate(), one request at a time or one padded batch."""
     model = loaded.model
@@ -137,20 +146,24 @@ async def amain(args: argparse.Namespace) -> None:
                      load_entry_points=False),
         loaded=loaded,
     )
-    print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB; model {path}")
+    offline = LLM(loaded=loaded, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.token_budget,
+                  load_entry_points=False)
+    print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB per engine; model {path}")
     await run_engine(engine, make_prompts(loaded, 2, args.prompt_len, seed=99), 8, "warmup")
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; {args.threads} threads\n")
-    print("| N | engine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | HF one-at-a-time tok/s | HF padded batch tok/s "
-          "| engine / batch | engine / one-at-a-time | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| N | AsyncEngine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | LLM.generate tok/s "
+          "| HF one-at-a-time tok/s | HF padded batch tok/s | Async / batch | LLM / batch | Async / one-at-a-time "
+          "| peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.concurrency:
         prompts = make_prompts(loaded, n, args.prompt_len, seed=n)
         r = await run_engine(engine, prompts, args.new_tokens, f"c{n}")
+        sync = run_offline(offline, prompts, args.new_tokens)
         single = run_hf(loaded, prompts[: min(n, args.hf_single_max)], args.new_tokens, batched=False)
         batch = run_hf(loaded, prompts, args.new_tokens, batched=True)
         print(f"| {n} | {r.tokens_per_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
-              f"| {single:.0f} | {batch:.0f} | {r.tokens_per_s / batch:.2f} | {r.tokens_per_s / single:.1f} "
-              f"| {rss_mib()[1]:.0f} |", flush=True)
+              f"| {sync:.0f} | {single:.0f} | {batch:.0f} | {r.tokens_per_s / batch:.2f} | {sync / batch:.2f} "
+              f"| {r.tokens_per_s / single:.1f} | {rss_mib()[1]:.0f} |", flush=True)
     if args.soak:
         warm, end = await soak(engine, loaded, args.soak, 32)
         print(f"\nsoak: {args.soak} requests with churn; RSS after warm-up {warm:.0f} MiB, at end {end:.0f} MiB "

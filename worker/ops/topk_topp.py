@@ -65,9 +65,8 @@ def top_p_probe(
 def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, ws: Workspace) -> None:
     """Zero, in place, every token of rows ``probs`` [h, V] (finite, >= 0) outside the nucleus."""
     h, v = probs.shape
-    key = ws.get("topp_key", (h, v), torch.int64)
-    key.copy_(probs.view(torch.int32))
-    key.bitwise_right_shift_(_SHIFT)
+    key = ws.get("topp_key", (h, v), torch.int64)  # scatter_add's fast path wants int64 indices
+    key.copy_(torch.bitwise_right_shift(probs.view(torch.int32), _SHIFT, out=ws.get("topp_key32", (h, v), torch.int32)))
     # Masses in float64, as the reference sums them: a float32 bucket of thousands of equal
     # probabilities drifts by 1e-4 relative, enough to move the cut.
     wide = ws.get("topp_f64", (h, v), torch.float64)
