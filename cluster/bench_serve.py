@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -90,10 +91,9 @@ def engine_stream(engine: object, new_tokens: int) -> Stream:
     from worker.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    counter = iter(range(10**9))
 
     async def run(i: int, prompt: list[int]) -> AsyncIterator[int]:
-        async for out in engine.generate(f"bench-{next(counter)}", prompt, params, delta=True):  # type: ignore[attr-defined]
+        async for out in engine.generate(uuid.uuid4().hex, prompt, params, delta=True):  # type: ignore[attr-defined]
             yield sum(len(c.token_ids) for c in out.outputs)
 
     return run

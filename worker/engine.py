@@ -10,6 +10,7 @@ engine state.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import uuid
@@ -85,6 +86,7 @@ class LLMEngine:
         self._build_batch_state()
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.num_steps = 0
         self.num_condense_moves = 0
@@ -119,7 +121,9 @@ class LLMEngine:
             if params.n > 1:
                 child_params = _child_params(params, i)
             child_params.update_from_tokenizer(self.tokenizer, self.eos_token_ids)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            # Engine-side ids are never reused: a finished sequence stays in the persistent batch
+            # until the next step's update, while its user id may already be taken again.
+            child_id = f"{request_id}#{i}.{next(self._seq_ids)}"
             detok = IncrementalDetokenizer(
                 self._backend, ids, stop=child_params.stop, skip_special_tokens=child_params.skip_special_tokens
             )
@@ -143,6 +147,10 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return self.batch.num_reqs
+
+    def batch_request_ids(self) -> list[str]:
+        """The user request id of every row of the persistent batch, in row order."""
+        return [rid.rsplit("#", 1)[0] for rid in self.batch.req_ids]
 
     def _drain_inbox(self) -> None:
         while True:

@@ -30,7 +30,7 @@ import torch
 
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import LogitsProcessor
-from worker.ops.draw import draw_rows, draw_weights, row_block_sums, uniforms
+from worker.ops.draw import draw_rows, draw_weights, row_block_sums, row_total, uniforms
 from worker.ops.logprobs import sampled_logprob_and_rank, to_logprobs_
 from worker.ops.plan import SamplingPlan, build_plan
 from worker.ops.select import ambiguous, resolve_topk, row_argmax, sort_by_value_then_id, topk_candidates
@@ -300,7 +300,7 @@ class Sampler:
         else:
             torch.softmax(torch.index_select(x, 0, plan.full.index, out=probs), -1, out=probs)
         bsum = row_block_sums(probs)
-        totals = bsum.to(torch.float64).sum(-1)
+        totals = row_total(bsum.to(torch.float64))
         pending = _FullRows(probs, bsum, host.add((totals > 0) & torch.isfinite(totals)))
         if plan.n_top_p:
             ids, top, keep, hit = top_p_probe(probs[: plan.n_top_p], plan.top_p, totals[: plan.n_top_p])

@@ -324,10 +324,10 @@ def test_abort_frees_row_within_one_step(tiny_model):
         engine.add_request(f"a{i}", p, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert sorted(engine.batch.req_ids) == ["a0", "a1"]
+    assert sorted(engine.batch_request_ids()) == ["a0", "a1"]
     engine.abort_request("a0")
     outs = engine.step()
-    assert engine.batch.req_ids == ["a1"]
+    assert engine.batch_request_ids() == ["a1"]
     aborted = [o for o in outs if o.request_id == "a0"]
     assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
     assert engine.runner.num_free_slots == 3
@@ -347,3 +347,15 @@ def test_text_matches_full_decode(tiny_model):
     for prompt in prompts_of(tiny_model, 3, seed=18):
         out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))[0].outputs[0]
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_a_request_id_can_be_reused_as_soon_as_it_finished(tiny_model):
+    """The finished sequence still sits in the batch until the next update; the new one must not clash."""
+    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    prompt = prompts_of(tiny_model, 1, seed=19)[0]
+    for _ in range(3):
+        engine.add_request("same", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        finished = False
+        while not finished:
+            finished = any(o.finished for o in engine.step())
+    assert not engine.has_unfinished() or engine.step() == []

@@ -1,5 +1,9 @@
 """Exact draws by inverse CDF: one float64 uniform per row, never one random number per token.
 
+Row totals are the last entry of a running (sequential) sum, never a tree reduction: a row's
+result then does not depend on how wide the batch pads its candidate lists, nor on how many
+rows share the reduction, which keeps seeded rows bit-identical in any batch.
+
 ``draw_rows`` works on full [n, V] weight rows in two levels: block sums locate the block
 holding the target mass, then a cumulative sum of that one block finds the token. A token of
 zero weight is never returned; rounding that pushes the target past the last positive weight
@@ -38,6 +42,11 @@ def uniforms(
     return u
 
 
+def row_total(w: torch.Tensor) -> torch.Tensor:
+    """[n] sum of each row of ``w`` [n, m] as a sequential running sum (layout-independent)."""
+    return w.cumsum(-1)[:, -1]
+
+
 def _last_positive(w: torch.Tensor) -> torch.Tensor:
     cols = torch.arange(w.shape[-1], device=w.device).expand_as(w)
     return torch.where(w > 0, cols, -1).amax(-1).clamp_min(0)
@@ -56,7 +65,7 @@ def draw_weights(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     ``ok`` is False where the row has no positive finite mass; its column is then meaningless.
     """
     w = w.to(torch.float64)
-    total = w.sum(-1)
+    total = row_total(w)
     ok = (total > 0) & torch.isfinite(total)
     w = torch.where(ok[:, None], w, 0.0)
     return search(w, u * torch.where(ok, total, 0.0)), ok
@@ -74,7 +83,7 @@ def draw_rows(
     if block_sums is None:
         block_sums = row_block_sums(probs)
     bsum = block_sums.to(torch.float64)
-    total = bsum.sum(-1)
+    total = row_total(bsum)
     ok = (total > 0) & torch.isfinite(total)
     bsum = torch.where(ok[:, None], bsum, 0.0)
     t = u * torch.where(ok, total, 0.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.ops.draw import row_total
 from worker.ops.select import sort_by_value_then_id, topk_candidates
 from worker.ops.workspace import Workspace
 
@@ -25,20 +26,15 @@ _SHIFT = 16  # bucket = sign, exponent and 7 mantissa bits: buckets 2^-7 (0.8 %)
 _NUM_BUCKETS = (0x3F800000 >> _SHIFT) + 1  # probabilities lie in [0, 1.0]
 
 
-def _exclusive_cumsum(w: torch.Tensor) -> torch.Tensor:
-    cs = w.cumsum(-1)
-    return torch.cat([torch.zeros_like(cs[..., :1]), cs[..., :-1]], dim=-1)
-
-
 def top_p_keep(probs: torch.Tensor, p: torch.Tensor, target_total: torch.Tensor | None = None) -> torch.Tensor:
     """[n, m] bool kept mask for candidate probabilities ``probs`` [n, m] already in top-p order.
 
     ``p`` [n] float64 (rows with p >= 1 keep everything); the target is ``p * total`` where the
     total is the candidates' own mass unless ``target_total`` [n] is given.
     """
-    w = probs.to(torch.float64)
-    excl = _exclusive_cumsum(w)
-    total = w.sum(-1) if target_total is None else target_total
+    cs = probs.to(torch.float64).cumsum(-1)
+    excl = torch.cat([torch.zeros_like(cs[:, :1]), cs[:, :-1]], dim=-1)
+    total = cs[:, -1] if target_total is None else target_total
     return (excl < (p * total)[:, None]) | (p >= 1.0)[:, None]
 
 
@@ -57,7 +53,7 @@ def top_p_probe(
     best_left_out = vals[:, c] if vals.shape[1] > c else torch.full((h,), -1.0, device=probs.device)
     vals, ids = sort_by_value_then_id(vals[:, :c], ids[:, :c])
     keep = top_p_keep(vals, p, totals)
-    reached = vals.to(torch.float64).sum(-1) >= p * totals
+    reached = row_total(vals.to(torch.float64)) >= p * totals
     last = vals.gather(1, (keep.sum(-1) - 1).clamp_min(0)[:, None]).squeeze(1)
     return ids, vals, keep, reached & (last > best_left_out)
 
@@ -65,8 +61,14 @@ def top_p_probe(
 def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, ws: Workspace) -> None:
     """Zero, in place, every token of rows ``probs`` [h, V] (finite, >= 0) outside the nucleus."""
     h, v = probs.shape
+    key32 = torch.bitwise_right_shift(probs.view(torch.int32), _SHIFT, out=ws.get("topp_key32", (h, v), torch.int32))
+    # Zero (and subnormal) probabilities would all hit bucket 0, a chain of dependent adds that
+    # costs more than the rest of the scatter; spread them over buckets 0-127 (which hold only
+    # mass < 2^-126, never a boundary) by column.
+    spread = ws.cached(f"topp_spread_{v}", lambda: (torch.arange(v, dtype=torch.int32) & 127)[None, :])
+    torch.maximum(key32, spread, out=key32)
     key = ws.get("topp_key", (h, v), torch.int64)  # scatter_add's fast path wants int64 indices
-    key.copy_(torch.bitwise_right_shift(probs.view(torch.int32), _SHIFT, out=ws.get("topp_key32", (h, v), torch.int32)))
+    key.copy_(key32)
     # Masses in float64, as the reference sums them: a float32 bucket of thousands of equal
     # probabilities drifts by 1e-4 relative, enough to move the cut.
     wide = ws.get("topp_f64", (h, v), torch.float64)
@@ -81,7 +83,7 @@ def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, ws: Workspace) -> Non
 
     # The boundary bucket's tokens, in top-p order within each row.
     in_bucket = ws.get("topp_mask", (h, v), torch.bool)
-    torch.eq(key, bucket, out=in_bucket)
+    torch.eq(key32, bucket.to(torch.int32), out=in_bucket)
     row, col = in_bucket.nonzero(as_tuple=True)
     val = probs[row, col]
     o = torch.argsort(val, descending=True, stable=True)  # nonzero gives (row, col) ascending

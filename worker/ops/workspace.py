@@ -8,6 +8,7 @@ next ``get`` of the same name; nothing returned to a caller may alias one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +19,7 @@ class Workspace:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._bufs: dict[str, torch.Tensor] = {}
+        self._consts: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape``, reusing ``name``'s storage when it fits."""
@@ -28,5 +30,12 @@ class Workspace:
             self._bufs[name] = buf
         return buf[:numel].view(shape)
 
+    def cached(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A constant built once by ``make`` (on this device) and kept under ``name``."""
+        if name not in self._consts:
+            self._consts[name] = make().to(self.device)
+        return self._consts[name]
+
     def clear(self) -> None:
+        self._consts.clear()
         self._bufs.clear()
