@@ -73,8 +73,7 @@ def http_stream(base: str, new_tokens: int, client: httpx.AsyncClient) -> Stream
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"])
-                # one chunk per engine step and sequence: one new token each
-                yield sum(1 for c in chunk["choices"] if c.get("text") is not None)
+                yield sum(len(c.get("token_ids") or ()) for c in chunk["choices"])
 
     return run
 

@@ -125,6 +125,9 @@ class WorkerDeploymentConfig(_Frozen):
     max_ongoing_requests: PositiveInt | None = None
     """None = the engine's max_num_seqs; Serve's default (5) would cap the batch."""
     max_queued_requests: QueueLimit = 256
+    stream_interval_s: NonNegativeFloat = 0.05
+    """After a stream's first token, deltas are merged and sent at most this often (0 = every
+    step): each streamed message costs CPU in the worker, the ingress and the proxy."""
 
     @model_validator(mode="after")
     def _replicas_exclusive(self) -> WorkerDeploymentConfig:

@@ -149,17 +149,17 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         rid = new_id("cmpl")
         model = body.model or self.model_name
         if body.stream:
-            return StreamingResponse(self._stream_completions(rid, model, prompts, params, body.include_usage),
+            return StreamingResponse(self._stream_completions(rid, model, prompts, params, body),
                                      media_type="text/event-stream")
         try:
             outs = await asyncio.gather(*(self.run(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)))
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, outs)
-        return JSONResponse(completion_response(rid, model, list(outs), self.decode_token))
+        return JSONResponse(completion_response(rid, model, list(outs), self.decode_token, body.return_token_ids))
 
     async def _stream_completions(
-        self, rid: str, model: str, prompts: list[list[int]], params: SamplingParams, include_usage: bool
+        self, rid: str, model: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest
     ) -> AsyncIterator[str]:
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -186,8 +186,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                     return
                 for c in item.outputs:
                     n_tokens += len(c.token_ids)
-                    yield _sse(completion_chunk(rid, model, c, self.decode_token, index_base=i * params.n))
-            if include_usage:
+                    yield _sse(completion_chunk(rid, model, c, self.decode_token, i * params.n, body.return_token_ids))
+            if body.include_usage:
                 yield _sse(usage_chunk(rid, model, "text_completion", usage(sum(map(len, prompts)), n_tokens)))
             self.metrics.request("http", 200, tokens=n_tokens)
             yield "data: [DONE]\n\n"
@@ -208,17 +208,17 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         model = body.model or self.model_name
         top_n = body.top_logprobs or 0
         if body.stream:
-            return StreamingResponse(self._stream_chat(rid, model, ids, params, top_n, body.include_usage),
+            return StreamingResponse(self._stream_chat(rid, model, ids, params, top_n, body),
                                      media_type="text/event-stream")
         try:
             out = await self.run(rid, ids, params)
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, [out])
-        return JSONResponse(chat_response(rid, model, out, self.decode_token, top_n))
+        return JSONResponse(chat_response(rid, model, out, self.decode_token, top_n, body.return_token_ids))
 
     async def _stream_chat(
-        self, rid: str, model: str, ids: list[int], params: SamplingParams, top_n: int, include_usage: bool
+        self, rid: str, model: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest
     ) -> AsyncIterator[str]:
         first: set[int] = set()
         n_tokens = 0
@@ -226,14 +226,15 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
             async for delta in self.stream_deltas(rid, ids, params):
                 for c in delta.outputs:
                     n_tokens += len(c.token_ids)
-                    yield _sse(chat_chunk(rid, model, c, self.decode_token, top_n, c.index not in first))
+                    yield _sse(chat_chunk(rid, model, c, self.decode_token, top_n, c.index not in first,
+                                          body.return_token_ids))
                     first.add(c.index)
         except Exception as exc:
             status = classify(exc)
             self.metrics.request("http", status.http)
             yield _sse({"error": {"message": status.message, "type": status.kind, "code": status.http}})
             return
-        if include_usage:
+        if body.include_usage:
             yield _sse(usage_chunk(rid, model, "chat.completion.chunk", usage(len(ids), n_tokens)))
         self.metrics.request("http", 200, tokens=n_tokens)
         yield "data: [DONE]\n\n"

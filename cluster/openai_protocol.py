@@ -53,6 +53,8 @@ class _SamplingFields(BaseModel):
     logprobs_mode: str | None = None
     vllm_xargs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
+    # vLLM's extension: each choice (and stream chunk) also carries the generated token ids.
+    return_token_ids: bool = False
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"n": self.n}
@@ -210,20 +212,26 @@ def _finish(c: CompletionOutput) -> str | None:
     return c.finish_reason
 
 
+def _with_ids(choice: dict[str, Any], c: CompletionOutput, token_ids: bool) -> dict[str, Any]:
+    if token_ids:
+        choice["token_ids"] = list(c.token_ids)
+    return choice
+
+
 def completion_response(
-    rid: str, model: str, outs: list[RequestOutput], decode: Any
+    rid: str, model: str, outs: list[RequestOutput], decode: Any, token_ids: bool = False
 ) -> dict[str, Any]:
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, out in enumerate(outs):
         prompt_tokens += len(out.prompt_token_ids)
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            choices.append({
+            choices.append(_with_ids({
                 "index": i * len(out.outputs) + c.index,
                 "text": c.text,
                 "logprobs": completion_logprobs(c, decode),
                 "finish_reason": _finish(c),
-            })
+            }, c, token_ids))
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
@@ -231,14 +239,14 @@ def completion_response(
 
 
 def chat_response(
-    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int
+    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False
 ) -> dict[str, Any]:
-    choices = [{
+    choices = [_with_ids({
         "index": c.index,
         "message": {"role": "assistant", "content": c.text},
         "logprobs": chat_logprobs(c, decode, top_n),
         "finish_reason": _finish(c),
-    } for c in out.outputs]
+    }, c, token_ids) for c in out.outputs]
     n_out = sum(len(c.token_ids) for c in out.outputs)
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -246,28 +254,30 @@ def chat_response(
     }
 
 
-def completion_chunk(rid: str, model: str, c: CompletionOutput, decode: Any, index_base: int = 0) -> dict[str, Any]:
+def completion_chunk(
+    rid: str, model: str, c: CompletionOutput, decode: Any, index_base: int = 0, token_ids: bool = False
+) -> dict[str, Any]:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{
+        "choices": [_with_ids({
             "index": index_base + c.index, "text": c.text,
             "logprobs": completion_logprobs(c, decode), "finish_reason": _finish(c),
-        }],
+        }, c, token_ids)],
     }
 
 
 def chat_chunk(
-    rid: str, model: str, c: CompletionOutput, decode: Any, top_n: int, first: bool
+    rid: str, model: str, c: CompletionOutput, decode: Any, top_n: int, first: bool, token_ids: bool = False
 ) -> dict[str, Any]:
     delta: dict[str, Any] = {"content": c.text}
     if first:
         delta["role"] = "assistant"
     return {
         "id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-        "choices": [{
+        "choices": [_with_ids({
             "index": c.index, "delta": delta,
             "logprobs": chat_logprobs(c, decode, top_n), "finish_reason": _finish(c),
-        }],
+        }, c, token_ids)],
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from ray import serve
 
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
-from worker.outputs import RequestOutput
+from worker.outputs import RequestOutput, merge_deltas
 from worker.sampling_params import SamplingParams
 
 # How many received request ids a replica remembers (for operators and tests).
@@ -24,8 +25,9 @@ _SEEN_IDS = 10_000
 
 
 class LogitpoolWorker:
-    def __init__(self, engine: dict[str, Any]) -> None:
+    def __init__(self, engine: dict[str, Any], stream_interval_s: float = 0.0) -> None:
         self.config = EngineConfig(**engine)
+        self.stream_interval_s = stream_interval_s
         self.engine = AsyncEngine(self.config)
         self._seen: collections.deque[str] = collections.deque(maxlen=_SEEN_IDS)
         self._num_requests = 0
@@ -33,11 +35,22 @@ class LogitpoolWorker:
     async def generate(
         self, request_id: str, prompt: list[int] | str, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream delta RequestOutputs; cancelling the call aborts the request."""
+        """Stream delta RequestOutputs; cancelling the call aborts the request.
+
+        Every streamed item crosses Ray (and then the proxy) at a CPU cost of its own: after the
+        first token, deltas are merged and sent at most every ``stream_interval_s`` (and always
+        when the request finishes), so a long stream costs a bounded number of messages.
+        """
         self._seen.append(request_id)
         self._num_requests += 1
+        pending: RequestOutput | None = None
+        last_sent = float("-inf")
         async for out in self.engine.generate(request_id, prompt, params, delta=True):
-            yield out
+            pending = out if pending is None else merge_deltas(pending, out)
+            now = time.monotonic()
+            if pending.finished or now - last_sent >= self.stream_interval_s:
+                yield pending
+                pending, last_sent = None, now
 
     def received(self) -> list[str]:
         """Request ids this replica was asked to run (most recent last)."""

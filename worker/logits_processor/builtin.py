@@ -10,6 +10,7 @@ LogitBias (5), MinP (7b, argmax-invariant).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -224,6 +225,13 @@ class MinPLogitsProcessor(_SparseRows[float]):
     def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(config, device, is_pin_memory)
         self._ws = Workspace(self.device)
+        # index_reduce_ (used in apply) warns once per process that it is a beta API; spend that
+        # one warning here, silenced, instead of in a user's first step.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.zeros(1, 1, device=self.device).index_reduce_(
+                0, torch.zeros(1, dtype=torch.int64, device=self.device), torch.zeros(1, 1, device=self.device), "amin"
+            )
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -250,10 +258,12 @@ class MinPLogitsProcessor(_SparseRows[float]):
         else:
             sub = torch.index_select(logits, 0, self._rows, out=self._ws.get("rows", (n, v), logits.dtype))
         threshold = sub.amax(-1, keepdim=True) + self._log_min_p.to(sub.dtype)
-        # Branch-free "x < threshold -> -inf": min(x, copysign(inf, x - threshold)); x == threshold keeps x.
+        # Branch-free "x < threshold -> -inf": min(x, copysign(inf, x - threshold)) where
+        # copysign gives +inf for kept tokens (x == threshold too) and -inf for dropped ones.
         d = torch.sub(sub, threshold, out=self._ws.get("diff", (n, v), sub.dtype))
         torch.copysign(torch.tensor(float("inf"), dtype=sub.dtype, device=sub.device), d, out=d)
-        torch.minimum(sub, d, out=sub)
-        if not whole:
-            logits.index_copy_(0, self._rows, sub)
+        if whole:
+            torch.minimum(logits, d, out=logits)
+        else:  # the min and the write-back in one pass over the active rows
+            logits.index_reduce_(0, self._rows, d, "amin")
         return logits

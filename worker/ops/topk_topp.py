@@ -90,12 +90,14 @@ def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, ws: Workspace) -> Non
     row, col, val = row[o], col[o], val[o]
     o = torch.argsort(row, stable=True)
     row, col, val = row[o], col[o], val[o]
-    cs = val.to(torch.float64).cumsum(0)
-    before = torch.cat([cs.new_zeros(1), cs[:-1]])
+    # Each row's running sum on its own (a [h, max count] padded matrix), so a row's cut never
+    # depends on the other rows' candidates.
     counts = torch.bincount(row, minlength=h)
-    start = torch.cumsum(counts, 0) - counts
-    seg_before = before - before[start[row]]  # mass of the row's earlier candidates
-    drop = above[row] + seg_before >= target[row]
+    pos = torch.arange(row.numel(), device=row.device) - (torch.cumsum(counts, 0) - counts)[row]
+    padded = torch.zeros(h, int(counts.max()) + 1, dtype=torch.float64, device=probs.device)
+    padded[row, pos + 1] = val.to(torch.float64)
+    before = padded.cumsum(1)[row, pos]  # mass of the row's earlier candidates
+    drop = above[row] + before >= target[row]
     probs[row[drop], col[drop]] = 0.0
 
     # Everything in a lower bucket: values below the bucket's smallest float.

@@ -128,6 +128,7 @@ applications:
         num_cpus: {{ $w.cpus | toJson }}
         max_ongoing_requests: {{ $w.maxOngoingRequests | toJson }}
         max_queued_requests: {{ $w.maxQueuedRequests | toJson }}
+        stream_interval_s: {{ $w.streamIntervalS | toJson }}
       ingress:
         num_replicas: {{ $v.ingress.replicas | toJson }}
         num_cpus: {{ $v.ingress.cpus | toJson }}
