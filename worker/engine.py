@@ -146,7 +146,12 @@ class LLMEngine:
 
     @property
     def num_running(self) -> int:
-        return self.batch.num_reqs
+        """Sequences admitted and not finished (decoding or prefilling).
+
+        Not the batch size: a finished row stays in the persistent batch until the next step's
+        update, and an idle engine takes no next step.
+        """
+        return len(self.scheduler.running)
 
     def batch_request_ids(self) -> list[str]:
         """The user request id of every row of the persistent batch, in row order."""
