@@ -63,6 +63,8 @@ class GrpcMethods:
         try:
             async for delta in self.stream_deltas(rid, ids, params):
                 total = acc.add(delta)
+                if delta.finished:
+                    total.prompt_token_ids = ids  # deltas arrive without the prompt
                 yield delta_pb(rid, delta, self.decode_token, usage=total if delta.finished else None)
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None

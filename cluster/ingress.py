@@ -112,6 +112,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
             out = acc.add(delta)
         if out is None or not out.finished:
             raise RequestFailed("worker stream ended before the request finished")
+        out.prompt_token_ids = ids  # deltas arrive without the prompt
         return out
 
     async def workers_ready(self) -> bool:

@@ -8,6 +8,7 @@ Processors arrive as FQCN strings inside the engine config, at start-up only.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,8 @@ from worker.sampling_params import SamplingParams
 
 # How many received request ids a replica remembers (for operators and tests).
 _SEEN_IDS = 10_000
+# Streams per stream interval a replica sends before it stretches the interval (see _interval).
+_STREAMS_PER_INTERVAL = 16
 
 
 class LogitpoolWorker:
@@ -35,11 +38,12 @@ class LogitpoolWorker:
     async def generate(
         self, request_id: str, prompt: list[int] | str, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream delta RequestOutputs; cancelling the call aborts the request.
+        """Stream delta RequestOutputs (without the prompt); cancelling the call aborts the request.
 
         Every streamed item crosses Ray (and then the proxy) at a CPU cost of its own: after the
-        first token, deltas are merged and sent at most every ``stream_interval_s`` (and always
-        when the request finishes), so a long stream costs a bounded number of messages.
+        first token, deltas are merged and sent at most every ``_interval()`` (and always when
+        the request finishes), so the replica's message rate stays bounded however many
+        streams it runs — otherwise more streams mean slower steps, hence less merging.
         """
         self._seen.append(request_id)
         self._num_requests += 1
@@ -48,9 +52,15 @@ class LogitpoolWorker:
         async for out in self.engine.generate(request_id, prompt, params, delta=True):
             pending = out if pending is None else merge_deltas(pending, out)
             now = time.monotonic()
-            if pending.finished or now - last_sent >= self.stream_interval_s:
-                yield pending
+            if pending.finished or now - last_sent >= self._interval():
+                # The caller has the prompt; don't pickle it into every message.
+                yield dataclasses.replace(pending, prompt=None, prompt_token_ids=[])
                 pending, last_sent = None, now
+
+    def _interval(self) -> float:
+        """The stream interval, stretched once more than _STREAMS_PER_INTERVAL streams run, so a
+        replica sends at most ~_STREAMS_PER_INTERVAL / stream_interval_s messages a second."""
+        return self.stream_interval_s * max(1.0, self.engine.num_running / _STREAMS_PER_INTERVAL)
 
     def received(self) -> list[str]:
         """Request ids this replica was asked to run (most recent last)."""

@@ -160,10 +160,18 @@ def test_http_endpoints(serving):
 # -- gRPC through the client library ---------------------------------------------------------
 
 
+def chunks_usage_prompt(c: Client) -> int:
+    """prompt_tokens of the usage that arrives on a stream's last chunk."""
+    usages = [ch.usage for ch in c.stream("def f(", max_tokens=3, ignore_eos=True) if ch.usage is not None]
+    assert len(usages) == 1 and usages[0].completion_tokens == 3
+    return usages[0].prompt_tokens
+
+
 def test_grpc_generate_stream_and_errors(grpc_client):
     c = grpc_client.generate("def f(", max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     assert len(c.token_ids) == 6 and c.finish_reason == "length"
-    assert c.usage.completion_tokens == 6
+    assert c.usage.completion_tokens == 6 and c.usage.prompt_tokens > 0
+    assert chunks_usage_prompt(grpc_client) > 0
     assert len(c.logprobs) == 6 and all(p.rank >= 1 for p in c.logprobs)
     chunks = list(grpc_client.stream("def f(", max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [t for ch in chunks for t in ch.token_ids] == list(c.token_ids)
@@ -175,6 +183,14 @@ def test_grpc_generate_stream_and_errors(grpc_client):
     infos = grpc_client.processors()
     assert DUMMY_FQCN in [p.fqcn for p in infos]
     assert grpc_client.health()
+
+
+def test_streams_coalesce_deltas_but_not_the_first_token(grpc_client):
+    """A worker sends the first token at once, then merged deltas (workers.stream_interval_s)."""
+    chunks = list(grpc_client.stream("def f(", max_tokens=200, temperature=0.0, ignore_eos=True))
+    assert len(chunks[0].token_ids) == 1
+    assert sum(len(c.token_ids) for c in chunks) == 200
+    assert len(chunks) <= 100, "deltas must be merged (a 200-token stream is not 200 messages)"
 
 
 def test_validation_happens_at_the_ingress(grpc_client, oai):
