@@ -22,7 +22,7 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--logits-processors", nargs="+", metavar="FQCN", default=None)
     p.add_argument("--num-replicas", type=int)
     p.add_argument("--autoscale", nargs=2, type=int, metavar=("MIN", "MAX"))
-    p.add_argument("--num-gpus", type=float, help="GPUs per worker replica (default 0 here)")
+    p.add_argument("--num-gpus", type=float, help="GPUs per worker replica (default: 1 with --address, else 0)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--http-port", type=int)
     p.add_argument("--grpc-port", type=int)
@@ -50,6 +50,10 @@ def build_config(args: argparse.Namespace) -> Any:
         o["workers.num_replicas"] = None
     if args.num_gpus is not None:
         o["workers.num_gpus"] = args.num_gpus
+    elif getattr(args, "address", None) and "num_gpus" not in cfg.workers.model_fields_set:
+        # Joining a real cluster: one GPU per worker replica unless said otherwise (the embedded
+        # local default stays on CPU).
+        o["workers.num_gpus"] = 1.0
     for flag, key in (("host", "server.host"), ("http_port", "server.http_port"), ("grpc_port", "server.grpc_port")):
         if getattr(args, flag) is not None:
             o[key] = getattr(args, flag)
