@@ -26,6 +26,11 @@ def _authorization(ctx: RayServegRPCContext) -> str | None:
     return None
 
 
+def _engine_id(request_id: str) -> str:
+    """A client's request_id is for tracing; two clients may send the same one concurrently."""
+    return f"{request_id}-{uuid.uuid4().hex[:12]}"
+
+
 class GrpcMethods:
     """Mixed into the ingress; relies on its check_request / stream_deltas / run / api_keys."""
 
@@ -46,7 +51,7 @@ class GrpcMethods:
     async def Generate(self: Any, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
         try:
             rid, ids, params = self._prepare(request, grpc_context)
-            out = await self.run(rid, ids, params)
+            out = await self.run(_engine_id(rid), ids, params)
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         self.metrics.request("grpc", "OK", [out])
@@ -61,7 +66,7 @@ class GrpcMethods:
             raise self._fail(grpc_context, exc) from None
         acc = OutputAccumulator()
         try:
-            async for delta in self.stream_deltas(rid, ids, params):
+            async for delta in self.stream_deltas(_engine_id(rid), ids, params):
                 total = acc.add(delta)
                 if delta.finished:
                     total.prompt_token_ids = ids  # deltas arrive without the prompt

@@ -185,6 +185,17 @@ def test_grpc_generate_stream_and_errors(grpc_client):
     assert grpc_client.health()
 
 
+def test_a_client_request_id_is_for_tracing_only(grpc_client):
+    """Two concurrent calls with the same request_id both run; the id comes back on each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as ex:
+        futs = [ex.submit(grpc_client.generate, "x", max_tokens=30, ignore_eos=True, request_id="dup") for _ in range(2)]
+        results = [f.result(timeout=60) for f in futs]
+    assert [r.request_id for r in results] == ["dup", "dup"]
+    assert all(len(r.token_ids) == 30 for r in results)
+
+
 def test_streams_coalesce_deltas_but_not_the_first_token(grpc_client):
     """A worker sends the first token at once, then merged deltas (workers.stream_interval_s)."""
     chunks = list(grpc_client.stream("def f(", max_tokens=200, temperature=0.0, ignore_eos=True))
