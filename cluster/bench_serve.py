@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -140,12 +140,12 @@ async def amain(args: argparse.Namespace) -> None:
             prompts = [torch.randint(10, loaded.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
             base = await measure(engine_stream(engine, args.new_tokens), prompts)
             print(fmt("AsyncEngine (in-process)", n, base, None), flush=True)
-            runs: list[tuple[str, Callable[[], Awaitable[Row]]]] = [
-                ("gRPC via Serve", lambda: measure(grpc_stream(gc, args.new_tokens), prompts)),
-                ("HTTP via Serve", lambda: measure(http_stream(http_base, args.new_tokens, hc), prompts)),
+            paths: list[tuple[str, Stream]] = [
+                ("gRPC via Serve", grpc_stream(gc, args.new_tokens)),
+                ("HTTP via Serve", http_stream(http_base, args.new_tokens, hc)),
             ]
-            for name, fn in runs:
-                print(fmt(name, n, await fn(), base), flush=True)
+            for name, stream in paths:
+                print(fmt(name, n, await measure(stream, prompts), base), flush=True)
     await engine.shutdown()
 
 

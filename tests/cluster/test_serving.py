@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from client import AsyncClient, Client, InvalidArgument, Unauthenticated, Unavailable
+from client import AsyncClient, Client, InvalidArgument, Unavailable
 from cluster.config import LogitpoolConfig
 from tests.worker.test_engine import DUMMY_FQCN
 

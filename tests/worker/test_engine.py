@@ -40,7 +40,7 @@ def hf_greedy(loaded, prompt: list[int], max_new: int) -> tuple[list[int], list[
             output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
             min_new_tokens=max_new,
         )
-    return out.sequences[0, len(prompt):].tolist(), [l[0].float() for l in out.logits]
+    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
 
 
 @pytest.mark.parametrize("reorder", [False, True], ids=["condense", "swap-reorder"])
