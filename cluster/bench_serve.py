@@ -12,54 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import httpx
 import torch
 
 from client import AsyncClient
-from worker.bench.engine import pct
-
-Stream = Callable[[int, list[int]], AsyncIterator[int]]
-
-
-@dataclass
-class Row:
-    req_s: float
-    tok_s: float
-    ttft_p50: float
-    ttft_p99: float
-    itl_p50: float
-    itl_p99: float
-
-
-async def measure(stream: Stream, prompts: list[list[int]]) -> Row:
-    ttft: list[float] = []
-    itl: list[float] = []
-
-    async def one(i: int) -> int:
-        t0 = time.perf_counter()
-        last, n = None, 0
-        async for k in stream(i, prompts[i]):
-            now = time.perf_counter()
-            if k == 0:
-                continue
-            if last is None:
-                ttft.append(now - t0)
-            else:
-                itl.extend([(now - last) / k] * k)
-            last, n = now, n + k
-        return n
-
-    t0 = time.perf_counter()
-    counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    wall = time.perf_counter() - t0
-    return Row(len(prompts) / wall, sum(counts) / wall, 1e3 * pct(ttft, 0.5), 1e3 * pct(ttft, 0.99),
-               1e3 * pct(itl, 0.5), 1e3 * pct(itl, 0.99))
-
+from worker.bench.latency import Latency, Stream, engine_stream, measure
 
 def http_stream(base: str, new_tokens: int, client: httpx.AsyncClient) -> Stream:
     async def run(i: int, prompt: list[int]) -> AsyncIterator[int]:
@@ -86,22 +45,10 @@ def grpc_stream(client: AsyncClient, new_tokens: int) -> Stream:
     return run
 
 
-def engine_stream(engine: object, new_tokens: int) -> Stream:
-    from worker.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-
-    async def run(i: int, prompt: list[int]) -> AsyncIterator[int]:
-        async for out in engine.generate(uuid.uuid4().hex, prompt, params, delta=True):  # type: ignore[attr-defined]
-            yield sum(len(c.token_ids) for c in out.outputs)
-
-    return run
-
-
-def fmt(name: str, n: int, r: Row, base: Row | None) -> str:
+def fmt(name: str, n: int, r: Latency, base: Latency | None) -> str:
     ratio = f"{r.tok_s / base.tok_s:.2f}" if base else "1.00"
-    return (f"| {n} | {name} | {r.req_s:.2f} | {r.tok_s:.0f} | {r.ttft_p50:.0f} / {r.ttft_p99:.0f} "
-            f"| {r.itl_p50:.1f} / {r.itl_p99:.1f} | {ratio} |")
+    return (f"| {n} | {name} | {r.req_s:.2f} | {r.tok_s:.0f} | {r.ttft_p50_ms:.0f} / {r.ttft_p99_ms:.0f} "
+            f"| {r.itl_p50_ms:.1f} / {r.itl_p99_ms:.1f} | {ratio} |")
 
 
 async def amain(args: argparse.Namespace) -> None:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
 from worker.async_engine import AsyncEngine
+from worker.bench.latency import engine_stream, measure
 from worker.config import EngineConfig
 from worker.llm import LLM
 from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model
@@ -35,52 +34,9 @@ def rss_mib() -> tuple[float, float]:
     return fields.get("VmRSS", 0.0), fields.get("VmHWM", 0.0)
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-@dataclass
-class Result:
-    tokens_per_s: float
-    ttft_p50_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-
-
 def make_prompts(loaded: LoadedModel, n: int, length: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(10, loaded.vocab_size, (length,), generator=g).tolist() for _ in range(n)]
-
-
-async def run_engine(engine: AsyncEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> Result:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    ttfts: list[float] = []
-    itls: list[float] = []
-
-    async def one(i: int) -> int:
-        start = time.perf_counter()
-        last = None
-        n = 0
-        async for out in engine.generate(f"{tag}-{i}", prompts[i], params, delta=True):
-            now = time.perf_counter()
-            k = sum(len(c.token_ids) for c in out.outputs)
-            if k == 0:
-                continue
-            if last is None:
-                ttfts.append(now - start)
-            else:
-                itls.extend([(now - last) / k] * k)
-            last = now
-            n += k
-        return n
-
-    t0 = time.perf_counter()
-    counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    wall = time.perf_counter() - t0
-    return Result(sum(counts) / wall, 1e3 * statistics.median(ttfts), 1e3 * pct(itls, 0.5), 1e3 * pct(itls, 0.99))
 
 
 def run_offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
@@ -149,7 +105,7 @@ async def amain(args: argparse.Namespace) -> None:
     offline = LLM(loaded=loaded, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.token_budget,
                   load_entry_points=False)
     print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB per engine; model {path}")
-    await run_engine(engine, make_prompts(loaded, 2, args.prompt_len, seed=99), 8, "warmup")
+    await measure(engine_stream(engine, 8), make_prompts(loaded, 2, args.prompt_len, seed=99))
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; {args.threads} threads\n")
     print("| N | AsyncEngine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | LLM.generate tok/s "
           "| HF one-at-a-time tok/s | HF padded batch tok/s | Async / batch | LLM / batch | Async / one-at-a-time "
@@ -157,13 +113,13 @@ async def amain(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.concurrency:
         prompts = make_prompts(loaded, n, args.prompt_len, seed=n)
-        r = await run_engine(engine, prompts, args.new_tokens, f"c{n}")
+        r = await measure(engine_stream(engine, args.new_tokens), prompts)
         sync = run_offline(offline, prompts, args.new_tokens)
         single = run_hf(loaded, prompts[: min(n, args.hf_single_max)], args.new_tokens, batched=False)
         batch = run_hf(loaded, prompts, args.new_tokens, batched=True)
-        print(f"| {n} | {r.tokens_per_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
-              f"| {sync:.0f} | {single:.0f} | {batch:.0f} | {r.tokens_per_s / batch:.2f} | {sync / batch:.2f} "
-              f"| {r.tokens_per_s / single:.1f} | {rss_mib()[1]:.0f} |", flush=True)
+        print(f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
+              f"| {sync:.0f} | {single:.0f} | {batch:.0f} | {r.tok_s / batch:.2f} | {sync / batch:.2f} "
+              f"| {r.tok_s / single:.1f} | {rss_mib()[1]:.0f} |", flush=True)
     if args.soak:
         warm, end = await soak(engine, loaded, args.soak, 32)
         print(f"\nsoak: {args.soak} requests with churn; RSS after warm-up {warm:.0f} MiB, at end {end:.0f} MiB "
