@@ -18,7 +18,7 @@ from ray import serve
 
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
-from worker.outputs import RequestOutput, merge_deltas
+from worker.outputs import OutputAccumulator, RequestOutput
 from worker.sampling_params import SamplingParams
 
 # How many received request ids a replica remembers (for operators and tests).
@@ -47,15 +47,15 @@ class LogitpoolWorker:
         """
         self._seen.append(request_id)
         self._num_requests += 1
-        pending: RequestOutput | None = None
+        window = OutputAccumulator()  # the deltas not sent yet, merged
         last_sent = float("-inf")
         async for out in self.engine.generate(request_id, prompt, params, delta=True):
-            pending = out if pending is None else merge_deltas(pending, out)
+            merged = window.add(out)
             now = time.monotonic()
-            if pending.finished or now - last_sent >= self._interval():
+            if merged.finished or now - last_sent >= self._interval():
                 # The caller has the prompt; don't pickle it into every message.
-                yield dataclasses.replace(pending, prompt=None, prompt_token_ids=[])
-                pending, last_sent = None, now
+                yield dataclasses.replace(merged, prompt=None, prompt_token_ids=[])
+                window, last_sent = OutputAccumulator(), now
 
     def _interval(self) -> float:
         """The stream interval, stretched once more than _STREAMS_PER_INTERVAL streams run, so a

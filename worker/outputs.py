@@ -56,7 +56,11 @@ class RequestOutput:
 
 
 class OutputAccumulator:
-    """Merges a request's delta RequestOutputs into the cumulative one (what `LLM` returns)."""
+    """Merges a request's delta RequestOutputs into the cumulative one (what `LLM` returns).
+
+    Also how consecutive deltas are merged into one (a fresh accumulator per window): the result
+    covers exactly the completions those deltas touched.
+    """
 
     def __init__(self) -> None:
         self._out: RequestOutput | None = None
@@ -82,21 +86,3 @@ class OutputAccumulator:
         self._out.finished = delta.finished
         return self._out
 
-
-def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One delta covering both (same request): texts, tokens and logprobs concatenated."""
-    by_index = {c.index: c for c in first.outputs}
-    for d in later.outputs:
-        cur = by_index.get(d.index)
-        if cur is None:
-            by_index[d.index] = d
-            continue
-        logprobs = None
-        if cur.logprobs is not None or d.logprobs is not None:
-            logprobs = (cur.logprobs or []) + (d.logprobs or [])
-        by_index[d.index] = CompletionOutput(
-            d.index, cur.text + d.text, cur.token_ids + d.token_ids, d.cumulative_logprob, logprobs,
-            d.finish_reason, d.stop_reason, d.error,
-        )
-    outputs = [by_index[i] for i in sorted(by_index)]
-    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outputs, later.finished)
