@@ -87,6 +87,8 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+        # Requests answered without admission (duplicate ids), handed out with the next outputs.
+        self._rejected: list[RequestOutput] = []
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.num_steps = 0
         self.num_condense_moves = 0
@@ -166,8 +168,13 @@ class LLMEngine:
             if kind == "add":
                 assert isinstance(item, _Parent)
                 if item.request_id in self._parents:
+                    # Never admitted, but answered: a caller waiting on it must not hang.
                     for child in item.children:
                         child.finish(FinishReason.ERROR, error=f"duplicate request id {item.request_id!r}")
+                    self._rejected.append(RequestOutput(
+                        item.request_id, item.prompt, item.prompt_token_ids,
+                        [self._delta(c) for c in item.children], True,
+                    ))
                     continue
                 self._parents[item.request_id] = item
                 for child in item.children:
@@ -283,7 +290,7 @@ class LLMEngine:
     # -- outputs out ---------------------------------------------------------------------
 
     def _collect_outputs(self) -> list[RequestOutput]:
-        outputs = []
+        outputs, self._rejected = self._rejected, []
         for parent in list(self._parents.values()):
             if not parent.dirty:
                 continue

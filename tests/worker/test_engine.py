@@ -359,3 +359,19 @@ def test_a_request_id_can_be_reused_as_soon_as_it_finished(tiny_model):
         while not finished:
             finished = any(o.finished for o in engine.step())
     assert not engine.has_unfinished() or engine.step() == []
+
+
+def test_a_duplicate_running_request_id_is_answered_with_an_error(tiny_model):
+    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    prompt = prompts_of(tiny_model, 1, seed=20)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("dup", prompt, params)
+    engine.step()
+    engine.add_request("dup", prompt, params)
+    outs = engine.step()
+    rejected = [o for o in outs if o.finished and o.outputs[0].finish_reason == "error"]
+    assert len(rejected) == 1 and "duplicate request id" in rejected[0].outputs[0].error
+    finished = None
+    while engine.has_unfinished():
+        finished = next((o for o in engine.step() if o.finished), finished)
+    assert finished is not None and finished.outputs[0].finish_reason == "length"
