@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
@@ -26,8 +28,26 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5
 
 
+# The engine loop counts as stalled when it has not come round for this long while it has work.
+STALL_TIMEOUT_S = 60.0
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served by this engine."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for health checks and metrics (read from any thread)."""
+
+    alive: bool
+    heartbeat_age_s: float  # seconds since the engine loop last came round
+    num_running: int
+    num_waiting: int
+    # Terminal outcomes of sequences so far, by finish reason (stop, length, abort, error).
+    finished: dict[str, int] = field(default_factory=dict)
+    restarts: int = 0  # times the batch state was rebuilt after a failure
+    kv: dict[str, float] = field(default_factory=dict)  # LLMEngine.kv_stats() where available
 
 
 class AsyncEngine:
@@ -39,6 +59,7 @@ class AsyncEngine:
         self._work = threading.Event()
         self._stopping = False
         self.dead: BaseException | None = None
+        self.heartbeat = time.monotonic()
 
     @property
     def config(self) -> EngineConfig:
@@ -47,6 +68,27 @@ class AsyncEngine:
     @property
     def num_running(self) -> int:
         return self.engine.num_running
+
+    def healthy(self, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
+        """True while the loop is alive and came round recently (a heartbeat, not "the object exists")."""
+        if self.dead is not None:
+            return False
+        if self._thread is None:
+            return not self._stopping  # not started yet: started on the first request
+        return self._thread.is_alive() and time.monotonic() - self.heartbeat < stall_timeout_s
+
+    def stats(self) -> EngineStats:
+        eng = self.engine
+        kv_stats = getattr(eng, "kv_stats", None)
+        return EngineStats(
+            alive=self.healthy(),
+            heartbeat_age_s=time.monotonic() - self.heartbeat if self._thread is not None else 0.0,
+            num_running=eng.num_running,
+            num_waiting=eng.num_waiting,
+            finished=dict(eng.finish_counts),
+            restarts=eng.num_restarts,
+            kv=dict(kv_stats()) if kv_stats is not None else {},
+        )
 
     def validate(self, params: SamplingParams) -> None:
         self.engine.validate(params)
@@ -97,6 +139,7 @@ class AsyncEngine:
         loop = self._loop
         assert loop is not None
         while not self._stopping:
+            self.heartbeat = time.monotonic()
             if not self.engine.has_unfinished():
                 self._work.wait(_IDLE_WAIT_S)
                 self._work.clear()
@@ -129,4 +172,4 @@ class AsyncEngine:
             self._thread = None
 
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStats"]

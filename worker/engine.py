@@ -9,6 +9,7 @@ engine state.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -91,6 +92,9 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.num_steps = 0
+        # Terminal outcomes of sequences, by finish reason; batch-state rebuilds after a failure.
+        self.finish_counts: collections.Counter[str] = collections.Counter()
+        self.num_restarts = 0
         self.num_condense_moves = 0
         self.num_swaps = 0
 
@@ -154,6 +158,11 @@ class LLMEngine:
         update, and an idle engine takes no next step.
         """
         return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for admission."""
+        return len(self.scheduler.waiting)
 
     def batch_request_ids(self) -> list[str]:
         """The user request id of every row of the persistent batch, in row order."""
@@ -275,6 +284,7 @@ class LLMEngine:
         if req.finished:
             return
         req.finish(reason, **kw)  # type: ignore[arg-type]
+        self.finish_counts[str(reason)] += 1
         self.scheduler.finish(req)
         self._parents[req.parent_id].dirty.add(req.index)
 
@@ -286,6 +296,7 @@ class LLMEngine:
             self._finish(req, FinishReason.ERROR, error=str(exc))
         self.scheduler.forget_batch()
         self._build_batch_state()
+        self.num_restarts += 1
 
     # -- outputs out ---------------------------------------------------------------------
 
