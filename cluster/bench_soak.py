@@ -1,0 +1,512 @@
+"""`logitpool bench soak`: many requests with faults mixed in; every request must end exactly once.
+
+The load (over HTTP and gRPC, ``--concurrency`` clients at a time):
+- random valid requests (the innocents): completions, chat and gRPC, streamed or not, with
+  random sampling parameters;
+- 10 % hostile requests (the hardening issue's repros), each expecting a 4xx /
+  ``INVALID_ARGUMENT`` with a JSON error body, or a valid answer where one exists;
+- 10 % streams the client cancels after the first chunk;
+- 1 % enabling ``FaultInjectionProcessor`` (a processor that raises for that request alone);
+- one worker replica killed (SIGKILL) halfway through.
+Checks: every request ends with exactly one outcome it was allowed, within its timeout; no
+innocent fails except those in flight on the killed replica; every replica's batch is empty at
+the end; the surviving replica's RSS after warm-up grows < 5 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import math
+import os
+import random
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import httpx
+
+from client import AsyncClient, InternalError, LogitpoolError, Unavailable
+from worker.bench.faults import FQCN as FAULT_FQCN
+
+WORKER_DEPLOYMENT = "LogitpoolWorker"
+# An outcome the client saw: what kind of request it was, and how it ended.
+INNOCENT, HOSTILE, CANCEL, FAULT = "innocent", "hostile", "cancel", "fault"
+OK, REJECTED, CANCELLED, FAULTED, UNAVAILABLE, UNEXPECTED = (
+    "ok", "rejected", "cancelled", "faulted", "unavailable", "unexpected")
+RSS_GROWTH_LIMIT = 0.05
+REQUEST_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Outcome:
+    kind: str
+    name: str  # transport and shape, or the hostile case's name
+    result: str
+    detail: str = ""
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class SoakReport:
+    outcomes: list[Outcome]
+    kill_time: float | None = None
+    killed_in_flight: int | None = None  # the killed replica's running + waiting just before the kill
+    rss_warm: dict[int, int] = field(default_factory=dict)  # pid -> bytes after warm-up
+    rss_end: dict[int, int] = field(default_factory=dict)
+    leftover: dict[str, int] = field(default_factory=dict)  # replica -> sequences still running at the end
+    seconds: float = 0.0
+
+    def table(self) -> dict[tuple[str, str], int]:
+        return dict(collections.Counter((o.kind, o.result) for o in self.outcomes))
+
+    def excused(self, o: Outcome) -> bool:
+        """An innocent lost on the killed replica: started before the kill, ended after it."""
+        return (o.result == UNAVAILABLE and self.kill_time is not None
+                and o.start <= self.kill_time + 1.0 and o.end >= self.kill_time)
+
+    def violations(self) -> list[str]:
+        allowed = {INNOCENT: {OK}, HOSTILE: {OK, REJECTED}, CANCEL: {CANCELLED, OK}, FAULT: {FAULTED}}
+        bad = []
+        for o in self.outcomes:
+            if o.result not in allowed[o.kind] and not self.excused(o):
+                bad.append(f"{o.kind}/{o.name}: {o.result} ({o.detail[:200]})")
+        excused = sum(1 for o in self.outcomes if o.result not in allowed[o.kind] and self.excused(o))
+        if self.killed_in_flight is not None and excused > self.killed_in_flight + 8:
+            bad.append(f"{excused} requests failed at the kill; the replica held {self.killed_in_flight}")
+        for replica, n in self.leftover.items():
+            if n:
+                bad.append(f"replica {replica}: {n} sequences still in its batch after the load")
+        for pid, warm in self.rss_warm.items():
+            end = self.rss_end.get(pid)
+            if end is not None and end > warm * (1 + RSS_GROWTH_LIMIT):
+                bad.append(f"worker pid {pid}: RSS grew {end / warm - 1:+.1%} after warm-up")
+        return bad
+
+    def render(self) -> str:
+        lines = ["| kind | outcome | requests |", "|---|---|---|"]
+        for (kind, result), n in sorted(self.table().items()):
+            lines.append(f"| {kind} | {result} | {n} |")
+        lines.append(f"\n{len(self.outcomes)} requests in {self.seconds:.1f} s")
+        if self.kill_time is not None:
+            lost = sum(1 for o in self.outcomes if o.kind == INNOCENT and self.excused(o))
+            lines.append(f"replica killed at {self.kill_time:.1f} s holding {self.killed_in_flight} sequences; "
+                         f"innocents lost with it: {lost}")
+        for pid, warm in self.rss_warm.items():
+            if pid in self.rss_end:
+                lines.append(f"worker pid {pid}: RSS {warm / 2**20:.0f} -> {self.rss_end[pid] / 2**20:.0f} MiB "
+                             f"({self.rss_end[pid] / warm - 1:+.1%})")
+        return "\n".join(lines)
+
+
+# -- request makers --------------------------------------------------------------------------
+
+WORDS = ["def", "class", "import", "return", "self", "value", "print", "for", "while", "None"]
+
+
+def random_sampling(rng: random.Random, vocab: int) -> dict[str, Any]:
+    """Valid sampling fields (names shared by HTTP and gRPC)."""
+    s: dict[str, Any] = {"max_tokens": rng.randint(1, 12)}
+    if rng.random() < 0.4:
+        s["temperature"] = 0.0
+    else:
+        s["temperature"] = round(rng.uniform(0.3, 1.5), 2)
+        if rng.random() < 0.4:
+            s["top_p"] = round(rng.uniform(0.5, 1.0), 2)
+        if rng.random() < 0.4:
+            s["top_k"] = rng.randint(1, 50)
+        if rng.random() < 0.3:
+            s["min_p"] = round(rng.uniform(0.0, 0.2), 3)
+    if rng.random() < 0.5:
+        s["seed"] = rng.randint(-(2**63), 2**63 - 1)
+    if rng.random() < 0.2:
+        s["stop"] = [rng.choice(WORDS)]
+    if rng.random() < 0.2:
+        s["bad_words"] = [rng.choice(WORDS)]
+    if rng.random() < 0.2:
+        s["logit_bias"] = {str(rng.randrange(vocab)): rng.uniform(-5, 5)}
+    if rng.random() < 0.2:
+        s["repetition_penalty"] = round(rng.uniform(0.8, 1.5), 2)
+    if rng.random() < 0.2:
+        s["presence_penalty"] = round(rng.uniform(-1, 1), 2)
+    if rng.random() < 0.2:
+        s["min_tokens"] = rng.randint(0, s["max_tokens"])
+    if rng.random() < 0.2:
+        s["ignore_eos"] = True
+    return s
+
+
+def random_prompt(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 24)))
+
+
+# Hostile HTTP requests: (name, path, raw body or JSON object, headers, statuses that are fine).
+# 200 is fine only where a valid answer exists (the value is legal); everything else is a 4xx.
+_4XX = (400, 413, 415, 422)
+
+
+def _nested(depth: int) -> str:
+    return '{"vllm_xargs": ' + '{"a": ' * depth + "1" + "}" * depth + ', "prompt": "x", "max_tokens": 2}'
+
+
+HOSTILE_HTTP: list[tuple[str, str, Any, dict[str, str], tuple[int, ...]]] = [
+    ("seed_2^64", "/v1/completions", {"prompt": "x", "max_tokens": 4, "seed": 2**64}, {}, _4XX),
+    ("top_k_2^63", "/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": 2**63}, {}, _4XX),
+    ("surrogate_prompt", "/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', {}, _4XX),
+    ("surrogate_chat", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', {}, _4XX),
+    ("surrogate_role", "/v1/chat/completions",
+     '{"messages": [{"role": "\\ud800", "content": "hi"}], "max_tokens": 2}', {}, _4XX),
+    ("surrogate_model", "/v1/completions", '{"model": "\\ud800", "prompt": "x", "max_tokens": 2}', {},
+     (200, 404) + _4XX),
+    ("surrogate_bad_words", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "bad_words": ["\\ud800"]}', {},
+     _4XX),
+    ("nested_100000", "/v1/completions", _nested(100_000), {}, _4XX),
+    ("nested_500", "/v1/completions", _nested(500), {}, _4XX),
+    ("repetition_penalty_1e-300", "/v1/completions",
+     {"prompt": "x y x y", "max_tokens": 4, "repetition_penalty": 1e-300}, {}, (200,) + _4XX),
+    ("processed_logprobs_allowed", "/v1/completions",
+     {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [5, 6], "logprobs": 3,
+      "logprobs_mode": "processed_logprobs"}, {}, (200,) + _4XX),
+    ("logit_bias_nan", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": NaN}}', {}, _4XX),
+    ("n_2000", "/v1/completions", {"prompt": "x", "max_tokens": 1, "n": 2000}, {}, _4XX),
+    ("prompts_400", "/v1/completions", {"prompt": ["x"] * 400, "max_tokens": 1}, {}, _4XX),
+    ("extra_args_10k_keys", "/v1/completions",
+     {"prompt": "x", "max_tokens": 1, "extra_args": {f"k{i}": i for i in range(10_000)}}, {}, _4XX),
+    ("body_8MB", "/v1/completions", '{"prompt": "' + "a" * (8 << 20) + '", "max_tokens": 1}', {}, _4XX),
+    ("text_plain", "/v1/completions", '{"prompt": "x"}', {"content-type": "text/plain"}, _4XX),
+    ("not_json", "/v1/completions", "{prompt: x", {}, _4XX),
+    ("stream_processed_logprobs", "/v1/completions",
+     {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [5, 6], "logprobs": 3,
+      "logprobs_mode": "processed_logprobs", "stream": True}, {}, (200,) + _4XX),
+]
+
+
+def _grpc_hostile() -> list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]:
+    from client.pb.logitpool.v1 import logitpool_pb2 as pb
+
+    def nested(depth: int) -> dict[str, Any]:
+        v: Any = 1
+        for _ in range(depth):
+            v = {"a": v}
+        return v
+
+    async def garbage(c: AsyncClient) -> Any:
+        call = c._channel.unary_unary("/logitpool.v1.LogitPool/Generate")  # bytes in, bytes out
+        return await call(b"\xff\xff\xff\xff garbage", timeout=30, metadata=c._metadata)
+
+    async def huge_bias(c: AsyncClient) -> Any:
+        return await c.generate("x", max_tokens=3, logit_bias={67: 1e308})
+
+    async def nested_args(c: AsyncClient) -> Any:
+        return await c.generate("x", max_tokens=2, extra_args={"a": nested(60)})
+
+    async def nan_temperature(c: AsyncClient) -> Any:
+        return await c.generate("x", max_tokens=2, temperature=math.nan)
+
+    async def int32_top_k(c: AsyncClient) -> Any:
+        return await c.generate("x", max_tokens=2, top_k=2**31 - 1, temperature=1.0)
+
+    del pb
+    return [("grpc_garbage", garbage), ("grpc_logit_bias_1e308", huge_bias), ("grpc_nested_60", nested_args),
+            ("grpc_nan_temperature", nan_temperature), ("grpc_top_k_int32_max", int32_top_k)]
+
+
+# -- one request each -----------------------------------------------------------------------
+
+
+def _http_result(status: int, text: str, ok_statuses: tuple[int, ...]) -> tuple[str, str]:
+    """A response body must be JSON (SSE events too); 4xx in the allowed set is a rejection."""
+    try:
+        if text.startswith("data: "):
+            for line in text.splitlines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    json.loads(line[6:], parse_constant=_reject_constant)
+        else:
+            json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        return UNEXPECTED, f"{status}: body is not strict JSON ({exc}): {text[:120]!r}"
+    if status not in ok_statuses:
+        return (UNAVAILABLE if status == 503 else UNEXPECTED), f"status {status}: {text[:200]}"
+    return (OK if status == 200 else REJECTED), str(status)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def http_request(hc: httpx.AsyncClient, base: str, path: str, body: Any, headers: dict[str, str],
+                       ok_statuses: tuple[int, ...] = (200,)) -> tuple[str, str]:
+    content = body if isinstance(body, str) else json.dumps(body)
+    hdrs = {"content-type": "application/json", **headers}
+    r = await hc.post(f"{base}{path}", content=content.encode("utf-8", "surrogatepass"), headers=hdrs)
+    result, detail = _http_result(r.status_code, r.text, ok_statuses)
+    if result == OK and '"error"' in r.text[:20000] and "data: " in r.text:
+        # A stream that already sent 200 reports failures as an error event.
+        event = next(json.loads(line[6:]) for line in r.text.splitlines()
+                     if line.startswith("data: ") and '"error"' in line)
+        code = event.get("error", {}).get("code")
+        return (UNAVAILABLE if code == 503 else FAULTED if code == 500 else UNEXPECTED), json.dumps(event)[:200]
+    return result, detail
+
+
+async def http_cancelled_stream(hc: httpx.AsyncClient, base: str, body: dict[str, Any]) -> tuple[str, str]:
+    async with hc.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return _http_result(r.status_code, (await r.aread()).decode(), (200,))
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                return CANCELLED, "closed after the first event"
+    return OK, "finished before the first event"
+
+
+async def grpc_request(gc: AsyncClient, prompt: str, sampling: dict[str, Any], stream: bool) -> tuple[str, str]:
+    try:
+        if stream:
+            chunks = [ch async for ch in gc.stream(prompt, **sampling)]
+            errors = [ch.error for ch in chunks if ch.error]
+            return (FAULTED, errors[0]) if errors else (OK, f"{len(chunks)} chunks")
+        out = await gc.generate(prompt, **sampling)
+        return (FAULTED, out.error) if out.error else (OK, out.finish_reason or "")
+    except InternalError as exc:
+        return FAULTED, str(exc)
+    except Unavailable as exc:
+        return UNAVAILABLE, str(exc)
+    except LogitpoolError as exc:
+        return (REJECTED if exc.code == grpc.StatusCode.INVALID_ARGUMENT else UNEXPECTED), f"{exc.code}: {exc}"
+
+
+async def grpc_cancelled_stream(gc: AsyncClient, prompt: str, sampling: dict[str, Any]) -> tuple[str, str]:
+    stream = gc.stream(prompt, **sampling)
+    try:
+        async for _ in stream:
+            return CANCELLED, "closed after the first chunk"
+    except Unavailable as exc:
+        return UNAVAILABLE, str(exc)
+    finally:
+        await stream.aclose()
+    return OK, "no chunk"
+
+
+# -- the load -------------------------------------------------------------------------------
+
+
+async def run_soak(
+    http_base: str, grpc_target: str, *, requests: int, concurrency: int, seed: int = 0, vocab: int = 3000,
+    on_half: Callable[[], Awaitable[tuple[float, int] | None]] | None = None,
+) -> SoakReport:
+    """Send the mixed load; ``on_half`` (the replica kill) runs once half the requests started."""
+    rng = random.Random(seed)
+    plan = []
+    for i in range(requests):
+        x = rng.random()
+        plan.append(HOSTILE if x < 0.10 else CANCEL if x < 0.20 else FAULT if x < 0.21 else INNOCENT)
+    hostile_grpc = _grpc_hostile()
+    report = SoakReport([])
+    t0 = time.monotonic()
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as hc, \
+            AsyncClient(grpc_target, timeout=REQUEST_TIMEOUT_S) as gc:
+
+        async def one(i: int, kind: str, r: random.Random) -> None:
+            async with sem:
+                start = time.monotonic() - t0
+                name, result, detail = await _dispatch(kind, r, hc, gc, http_base, hostile_grpc, vocab)
+                report.outcomes.append(Outcome(kind, name, result, detail, start, time.monotonic() - t0))
+
+        tasks = []
+        for i, kind in enumerate(plan):
+            tasks.append(asyncio.create_task(one(i, kind, random.Random(rng.random()))))
+            if i == requests // 2 and on_half is not None:
+                # Let the first half get going, then kill.
+                while sum(1 for o in report.outcomes) < requests // 4:
+                    await asyncio.sleep(0.05)
+                killed = await on_half()
+                if killed is not None:
+                    report.kill_time, report.killed_in_flight = killed[0] - t0, killed[1]
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+async def _dispatch(kind: str, r: random.Random, hc: httpx.AsyncClient, gc: AsyncClient, base: str,
+                    hostile_grpc: list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]],
+                    vocab: int) -> tuple[str, str, str]:
+    try:
+        return await asyncio.wait_for(_dispatch_inner(kind, r, hc, gc, base, hostile_grpc, vocab), REQUEST_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return kind, UNEXPECTED, f"no answer within {REQUEST_TIMEOUT_S:.0f} s"
+    except (httpx.HTTPError, grpc.RpcError, OSError) as exc:
+        return kind, UNEXPECTED, f"{type(exc).__name__}: {exc}"
+
+
+async def _dispatch_inner(kind: str, r: random.Random, hc: httpx.AsyncClient, gc: AsyncClient, base: str,
+                          hostile_grpc: list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]],
+                          vocab: int) -> tuple[str, str, str]:
+    prompt, sampling = random_prompt(r), random_sampling(r, vocab)
+    if kind == HOSTILE:
+        if r.random() < 0.25:
+            name, call = r.choice(hostile_grpc)
+            try:
+                await call(gc)
+                return name, OK, ""
+            except grpc.RpcError as exc:
+                code = exc.code()
+                detail = f"{code}: {exc.details()}"
+                if code == grpc.StatusCode.INVALID_ARGUMENT and "Unexpected <class" not in (exc.details() or ""):
+                    return name, REJECTED, detail
+                return name, UNEXPECTED, detail
+            except LogitpoolError as exc:
+                if exc.code == grpc.StatusCode.INVALID_ARGUMENT and "Unexpected <class" not in str(exc):
+                    return name, REJECTED, str(exc)
+                return name, UNEXPECTED, f"{exc.code}: {exc}"
+        name, path, body, headers, ok = r.choice(HOSTILE_HTTP)
+        result, detail = await http_request(hc, base, path, body, headers, ok)
+        return name, result, detail
+    if kind == CANCEL:
+        sampling["max_tokens"] = 64
+        sampling["ignore_eos"] = True
+        if r.random() < 0.5:
+            return "http_stream", *(await http_cancelled_stream(hc, base, {"prompt": prompt, **sampling}))
+        return "grpc_stream", *(await grpc_cancelled_stream(gc, prompt, sampling))
+    if kind == FAULT:
+        sampling["extra_args"] = {"fault": r.choice(["apply", "update_state", "nan"])}
+        sampling["ignore_eos"] = True
+        sampling["min_tokens"] = sampling["max_tokens"] = max(2, sampling["max_tokens"])
+    shape = r.choice(["http_completion", "http_chat", "http_stream", "grpc", "grpc_stream"])
+    if shape.startswith("grpc"):
+        return shape, *(await grpc_request(gc, prompt, sampling, stream=shape == "grpc_stream"))
+    if shape == "http_chat":
+        body = {"messages": [{"role": "user", "content": prompt}], **sampling}
+        if "extra_args" in body:
+            body["vllm_xargs"] = body.pop("extra_args")
+        result, detail = await http_request(hc, base, "/v1/chat/completions", body, {})
+    else:
+        body = {"prompt": prompt, **sampling, "stream": shape == "http_stream"}
+        result, detail = await http_request(hc, base, "/v1/completions", body, {})
+    if kind == FAULT and result == UNEXPECTED and detail.startswith("status 500"):
+        result = FAULTED  # a non-streamed request whose processor failed: 500 with a JSON error body
+    return shape, result, detail
+
+
+# -- the local deployment and the kill ------------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def worker_infos(app: str, samples: int = 24) -> dict[str, dict[str, Any]]:
+    """Every worker replica's info, reached through the router (sampled until both are seen)."""
+    from ray import serve
+
+    h = serve.get_deployment_handle(WORKER_DEPLOYMENT, app_name=app)
+    infos: dict[str, dict[str, Any]] = {}
+    for _ in range(samples):
+        try:
+            info = h.info.remote().result(timeout_s=10)
+        except Exception:  # noqa: BLE001 - a replica dying while sampled
+            continue
+        infos[info["replica_id"]] = info
+    return infos
+
+
+def kill_one_replica(app: str) -> tuple[float, int] | None:
+    """SIGKILL one worker replica's process (a real crash); returns (when, its running+waiting)."""
+    infos = worker_infos(app)
+    if len(infos) < 2:
+        return None
+    victim = sorted(infos.values(), key=lambda i: i["replica_id"])[0]
+    in_flight = int(victim.get("num_running", 0)) + int(victim.get("num_waiting", 0))
+    os.kill(victim["pid"], signal.SIGKILL)
+    return time.monotonic(), in_flight
+
+
+def wait_batches_empty(app: str, timeout_s: float = 30.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    left: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        left = {rid: int(i.get("num_running", 0)) + int(i.get("num_waiting", 0)) for rid, i in worker_infos(app, 8).items()}
+        if left and not any(left.values()):
+            return left
+        time.sleep(0.5)
+    return left
+
+
+async def soak_deployment(http_base: str, grpc_target: str, app: str, *, requests: int, concurrency: int,
+                          seed: int = 0, kill: bool = True, warmup: int = 64) -> SoakReport:
+    """Warm up, record the replicas' RSS, run the soak (killing one replica halfway), check the end."""
+    warm = await run_soak(http_base, grpc_target, requests=warmup, concurrency=concurrency, seed=seed + 1)
+    del warm
+    infos = await asyncio.to_thread(worker_infos, app)
+    rss_warm = {i["pid"]: rss_bytes(i["pid"]) for i in infos.values()}
+
+    async def on_half() -> tuple[float, int] | None:
+        return await asyncio.to_thread(kill_one_replica, app) if kill else None
+
+    report = await run_soak(http_base, grpc_target, requests=requests, concurrency=concurrency, seed=seed,
+                            on_half=on_half)
+    report.leftover = await asyncio.to_thread(wait_batches_empty, app)
+    end = await asyncio.to_thread(worker_infos, app)
+    alive = {i["pid"] for i in end.values()}
+    report.rss_warm = {pid: b for pid, b in rss_warm.items() if b and pid in alive}
+    report.rss_end = {pid: b for pid in report.rss_warm if (b := rss_bytes(pid))}
+    return report
+
+
+def soak_config(model: str, http_port: int, grpc_port: int, app: str = "logitpool", max_num_seqs: int = 32) -> Any:
+    from cluster.config import LogitpoolConfig
+
+    return LogitpoolConfig.model_validate({
+        "engine": {"model": model, "max_num_seqs": max_num_seqs, "max_model_len": 512,
+                   "logits_processors": [FAULT_FQCN]},
+        "workers": {"num_replicas": 2, "num_cpus": 1},
+        "server": {"http_port": http_port, "grpc_port": grpc_port},
+        "app_name": app,
+    })
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="logitpool bench soak")
+    p.add_argument("--requests", type=int, default=5000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-kill", action="store_true", help="do not kill a worker replica halfway")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=9000)
+    args = p.parse_args(argv)
+    from cluster.cli import start_serve, wait_ready
+    from worker.models import build_tiny_model, default_model_path
+
+    cfg = soak_config(str(build_tiny_model(default_model_path())), args.http_port, args.grpc_port)
+    cfg = start_serve(cfg)
+    wait_ready("127.0.0.1", cfg.server.http_port, 300.0)
+    report = asyncio.run(soak_deployment(
+        f"http://127.0.0.1:{cfg.server.http_port}", f"127.0.0.1:{cfg.server.grpc_port}", cfg.app_name,
+        requests=args.requests, concurrency=args.concurrency, seed=args.seed, kill=not args.no_kill))
+    print(report.render())
+    bad = report.violations()
+    for line in bad[:50]:
+        print("VIOLATION", line)
+    print("soak:", "FAILED" if bad else "passed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
