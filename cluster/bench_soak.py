@@ -188,24 +188,41 @@ HOSTILE_HTTP: list[tuple[str, str, Any, dict[str, str], tuple[int, ...]]] = [
 ]
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def nested_extra_args_request(depth: int) -> bytes:
+    """GenerateRequest{prompt "x", params{max_tokens 2, extra_args {"a": {"a": ... 1}}}}, encoded by
+    hand: protobuf's own encoder refuses to build a message nested this deep."""
+    value = _varint(3 << 3) + _varint(1)  # JsonValue.int_value = 1
+    for _ in range(depth):
+        entry = _field(1, b"a") + _field(2, value)  # JsonObject.fields map entry
+        value = _field(7, _field(1, entry))  # JsonValue.object_value
+    params = _varint(10 << 3) + _varint(2) + _field(21, _field(1, b"a") + _field(2, value))
+    return _field(1, b"x") + _field(4, params)
+
+
 def _grpc_hostile() -> list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]:
-    from client.pb.logitpool.v1 import logitpool_pb2 as pb
+    def raw(payload: bytes) -> Callable[[AsyncClient], Awaitable[Any]]:
+        async def call(c: AsyncClient) -> Any:
+            rpc = c._channel.unary_unary("/logitpool.v1.LogitPool/Generate")  # bytes in, bytes out
+            return await rpc(payload, timeout=60, metadata=c._metadata)
 
-    def nested(depth: int) -> dict[str, Any]:
-        v: Any = 1
-        for _ in range(depth):
-            v = {"a": v}
-        return v
-
-    async def garbage(c: AsyncClient) -> Any:
-        call = c._channel.unary_unary("/logitpool.v1.LogitPool/Generate")  # bytes in, bytes out
-        return await call(b"\xff\xff\xff\xff garbage", timeout=30, metadata=c._metadata)
+        return call
 
     async def huge_bias(c: AsyncClient) -> Any:
         return await c.generate("x", max_tokens=3, logit_bias={67: 1e308})
-
-    async def nested_args(c: AsyncClient) -> Any:
-        return await c.generate("x", max_tokens=2, extra_args={"a": nested(60)})
 
     async def nan_temperature(c: AsyncClient) -> Any:
         return await c.generate("x", max_tokens=2, temperature=math.nan)
@@ -213,8 +230,8 @@ def _grpc_hostile() -> list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]
     async def int32_top_k(c: AsyncClient) -> Any:
         return await c.generate("x", max_tokens=2, top_k=2**31 - 1, temperature=1.0)
 
-    del pb
-    return [("grpc_garbage", garbage), ("grpc_logit_bias_1e308", huge_bias), ("grpc_nested_60", nested_args),
+    return [("grpc_garbage", raw(b"\xff\xff\xff\xff garbage")), ("grpc_logit_bias_1e308", huge_bias),
+            ("grpc_nested_60", raw(nested_extra_args_request(60))),
             ("grpc_nan_temperature", nan_temperature), ("grpc_top_k_int32_max", int32_top_k)]
 
 
@@ -303,10 +320,10 @@ async def run_soak(
 ) -> SoakReport:
     """Send the mixed load; ``on_half`` (the replica kill) runs once half the requests started."""
     rng = random.Random(seed)
-    plan = []
-    for i in range(requests):
-        x = rng.random()
-        plan.append(HOSTILE if x < 0.10 else CANCEL if x < 0.20 else FAULT if x < 0.21 else INNOCENT)
+    n_hostile, n_cancel, n_fault = round(0.10 * requests), round(0.10 * requests), max(1, round(0.01 * requests))
+    plan = [HOSTILE] * n_hostile + [CANCEL] * n_cancel + [FAULT] * n_fault
+    plan += [INNOCENT] * (requests - len(plan))
+    rng.shuffle(plan)
     hostile_grpc = _grpc_hostile()
     report = SoakReport([])
     t0 = time.monotonic()
@@ -345,7 +362,7 @@ async def _dispatch(kind: str, r: random.Random, hc: httpx.AsyncClient, gc: Asyn
         return await asyncio.wait_for(_dispatch_inner(kind, r, hc, gc, base, hostile_grpc, vocab), REQUEST_TIMEOUT_S)
     except asyncio.TimeoutError:
         return kind, UNEXPECTED, f"no answer within {REQUEST_TIMEOUT_S:.0f} s"
-    except (httpx.HTTPError, grpc.RpcError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any client-side surprise is one request's outcome
         return kind, UNEXPECTED, f"{type(exc).__name__}: {exc}"
 
 

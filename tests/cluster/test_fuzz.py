@@ -14,9 +14,10 @@ import hypothesis.strategies as st
 import pytest
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
+from cluster.bench_soak import nested_extra_args_request
 from cluster.config import LogitpoolConfig
 
 pytestmark = pytest.mark.ray
@@ -33,7 +34,7 @@ STRINGS = ["", "x", "raw_logprobs", "processed_logprobs", "processed_logits", "\
 def _scalar(f: FieldDescriptor) -> st.SearchStrategy:
     t = f.type
     if t in (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SFIXED32):
-        return st.one_of(st.sampled_from(INT32), st.integers(-(2**31), 2**31 - 1))
+        return st.one_of(st.sampled_from(INT32), st.integers(0, 64), st.integers(-(2**31), 2**31 - 1))
     if t in (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_SFIXED64):
         return st.one_of(st.sampled_from(INT64), st.integers(-(2**63), 2**63 - 1))
     if t in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_FIXED32):
@@ -41,7 +42,7 @@ def _scalar(f: FieldDescriptor) -> st.SearchStrategy:
     if t in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED64):
         return st.integers(0, 2**64 - 1)
     if t == FieldDescriptor.TYPE_DOUBLE:
-        return st.one_of(st.sampled_from(DOUBLES), st.floats())
+        return st.one_of(st.sampled_from(DOUBLES), st.floats(0, 2), st.floats())
     if t == FieldDescriptor.TYPE_FLOAT:
         return st.floats(width=32)
     if t == FieldDescriptor.TYPE_BOOL:
@@ -60,16 +61,26 @@ def _is_map(f: FieldDescriptor) -> bool:
 
 
 @st.composite
-def messages(draw: st.DrawFn, desc: Descriptor, depth: int = 0):  # noqa: ANN201 - a protobuf message
-    """Any message of ``desc``: each field set or not, with extreme values; nesting bounded."""
+def messages(draw: st.DrawFn, desc: Descriptor, depth: int = 0, density: float | None = None):  # noqa: ANN201
+    """Any message of ``desc``: each field set or not, with extreme values; nesting bounded.
+
+    ``density`` is the chance that a field is set, drawn once per request: sparse requests (one
+    or two extreme fields, the rest valid defaults) reach the engine; dense ones test validation.
+    """
+    if density is None:
+        density = draw(st.sampled_from([0.02, 0.05, 0.15, 0.5]))
     msg = message_factory.GetMessageClass(desc)()
     skip = set()
     for oneof in desc.oneofs:
         fields = list(oneof.fields)
-        chosen = draw(st.sampled_from([None, *fields]))
+        if len(fields) == 1 and oneof.name == "_" + fields[0].name:
+            continue  # proto3 `optional`: a synthetic oneof, set or not by density like any field
+        # Rarely none at all (the request then lacks its prompt, a JSON value its kind).
+        chosen = None if draw(st.integers(0, 19)) == 0 else draw(st.sampled_from(fields))
         skip |= {f.name for f in fields if f is not chosen}
     for f in desc.fields:
-        if f.name in skip or not draw(st.booleans()):
+        real_oneof = f.containing_oneof is not None and f.containing_oneof.name != "_" + f.name
+        if f.name in skip or (not real_oneof and draw(st.floats(0, 1)) >= density):
             continue
         if f.type == FieldDescriptor.TYPE_MESSAGE and depth >= MAX_DEPTH:
             continue
@@ -79,16 +90,17 @@ def messages(draw: st.DrawFn, desc: Descriptor, depth: int = 0):  # noqa: ANN201
             for _ in range(draw(st.integers(0, 4))):
                 key = draw(_scalar(key_f))
                 if value_f.type == FieldDescriptor.TYPE_MESSAGE:
-                    container[key].CopyFrom(draw(messages(value_f.message_type, depth + 1)))
+                    container[key].CopyFrom(draw(messages(value_f.message_type, depth + 1, 0.5)))
                 else:
                     container[key] = draw(_scalar(value_f))
         elif f.is_repeated and f.type == FieldDescriptor.TYPE_MESSAGE:
             for _ in range(draw(st.integers(0, 3))):
-                container.add().CopyFrom(draw(messages(f.message_type, depth + 1)))
+                container.add().CopyFrom(draw(messages(f.message_type, depth + 1, 0.5)))
         elif f.is_repeated:
             container.extend(draw(st.lists(_scalar(f), max_size=6)))
         elif f.type == FieldDescriptor.TYPE_MESSAGE:
-            container.CopyFrom(draw(messages(f.message_type, depth + 1)))
+            sub_density = density if desc.full_name.endswith("GenerateRequest") else 0.5
+            container.CopyFrom(draw(messages(f.message_type, depth + 1, sub_density)))
             container.SetInParent()  # set even when empty (an empty TokenIds is not "unset")
         else:
             setattr(msg, f.name, draw(_scalar(f)))
@@ -125,6 +137,7 @@ FINISHED = {"length", "stop"}
 
 def _check_status(err: grpc.RpcError) -> None:
     code, details = err.code(), err.details() or ""
+    event(f"{code.name}: {details.split(':')[0][:40]}")
     assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{code}: {details}"
     assert details and "Traceback" not in details and "<class" not in details, details
 
@@ -137,6 +150,10 @@ def _check_completion(c: pb.Completion | pb.CompletionDelta) -> None:
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(request=messages(pb.GenerateRequest.DESCRIPTOR))
+@example(request=pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_tokens=3, logit_bias={67: 1e308})))
+@example(request=pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_tokens=3, repetition_penalty=1e-300)))
+@example(request=pb.GenerateRequest(prompt="x", params=pb.SamplingParams(
+    max_tokens=3, logprobs=3, logprobs_mode="processed_logprobs", allowed_token_ids=pb.TokenIds(ids=[5, 6]))))
 def test_grpc_generate_fuzz(channel, request):
     """Every field at extreme values: a valid answer or INVALID_ARGUMENT, never another code."""
     call = channel.unary_unary("/logitpool.v1.LogitPool/Generate",
@@ -148,6 +165,7 @@ def test_grpc_generate_fuzz(channel, request):
         _check_status(err)
         return
     assert response.completions
+    event("OK")
     for c in response.completions:
         assert c.finish_reason in FINISHED, (c.finish_reason, c.error)
         _check_completion(c)
@@ -170,6 +188,8 @@ def test_grpc_stream_fuzz(channel, request):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(raw=st.one_of(st.binary(max_size=256), st.sampled_from([b"\xff" * 8, b"\x0a\xff\xff\xff\xff\x0f", b"\x22\x05"])))
+@example(raw=nested_extra_args_request(60))
+@example(raw=nested_extra_args_request(500))
 def test_grpc_garbage_bytes(channel, raw):
     """Malformed protobuf is INVALID_ARGUMENT without internal class names (or, when the bytes
     happen to decode, an ordinary answer)."""
