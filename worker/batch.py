@@ -33,8 +33,19 @@ class Column:
     getter: Callable[[SamplingParams], float | int | bool]
 
 
+# A top_k at or above the vocabulary size keeps every token; any int64 value is valid, so the
+# column stores min(top_k, this) (far above any vocabulary) and the plan sees "off".
+_TOP_K_CAP = 2**31 - 1
+
+
 def _top_k(p: SamplingParams) -> int:
-    return 0 if p.is_greedy or p.top_k == -1 else p.top_k
+    return 0 if p.is_greedy or p.top_k == -1 else min(p.top_k, _TOP_K_CAP)
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A request's own generator. Seeds span [-2**63, 2**64) (SPEC §2.5); ``manual_seed`` takes
+    ``seed % 2**64`` (the same stream torch gives a negative seed)."""
+    return torch.Generator(device=device).manual_seed(seed % 2**64)
 
 
 def _top_p(p: SamplingParams) -> float:
@@ -114,6 +125,15 @@ class PersistentBatch:
             c.name: torch.full((max_num_reqs,), c.default, dtype=c.dtype, pin_memory=pin_memory) for c in COLUMNS
         }
         self._metadata: SamplingMetadata | None = None
+        self._carried_generators: dict[str, torch.Generator] = {}
+
+    def carry_generators(self, generators: dict[str, torch.Generator]) -> None:
+        """Generators of requests about to be re-added (by id) after the batch was rebuilt."""
+        self._carried_generators.update(generators)
+
+    def generators(self) -> dict[str, torch.Generator]:
+        """Every row's own generator, by request id."""
+        return {r.req_id: r.generator for r in map(self._row, range(self._num_reqs)) if r.generator is not None}
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -217,9 +237,10 @@ class PersistentBatch:
 
     def _add(self, row: int, req: NewRequest) -> AddedRequest:
         rid, params, prompt_ids, output_ids = req
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        # A request re-added after a rebuild keeps its generator (its stream continues).
+        gen = self._carried_generators.pop(rid, None)
+        if gen is None and params.seed is not None:
+            gen = seeded_generator(params.seed, self.device)
         self._rows[row] = _Row(rid, params, prompt_ids, output_ids, gen)
         self._index[rid] = row
         for c in COLUMNS:

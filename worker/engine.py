@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,23 +24,19 @@ from worker.batch import PersistentBatch
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer, rust_tokenizer
 from worker.logits_processor.errors import ProcessorError
+from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
-from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
+from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.reorder import tail_swaps
 from worker.request import Request
 from worker.runner import ModelRunner, ScheduledSeq
-from worker.sampler import Sampler, SamplerOutput
+from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
 from worker.sampling_params import SamplingParams
-from worker.scheduler import ScheduledChunk, Scheduler
+from worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from worker.validation import Prompt, RequestValidator
 
 logger = logging.getLogger(__name__)
-
-_NO_FINITE_LOGIT = (
-    "no token has a finite logit after processing (allowed_token_ids, bad_words, logit_bias "
-    "and the logits processors excluded every token)"
-)
 
 
 
@@ -198,37 +195,98 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return one delta RequestOutput per request that changed."""
+        """Run one engine step; return one delta RequestOutput per request that changed.
+
+        A failure in any phase fails the requests it came from (``error``) and the engine keeps
+        stepping (see "failure isolation" below). Only when even rebuilding the batch state
+        fails does ``step`` raise: the engine cannot continue.
+        """
+        try:
+            return self._step()
+        except Exception as exc:  # not attributable to any phase: fail everyone, start clean
+            self._fail_everything(exc)
+            return self._collect_outputs()
+
+    def _step(self) -> list[RequestOutput]:
         self._drain_inbox()
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
+        if sched is not None and self._update_batch(sched):
+            rows = [sched.chunks[rid] for rid in self.batch.req_ids]
+            partial = [c for c in sched.chunks.values() if not c.sample]
+            logits = self._execute(rows, partial)
+            if rows and logits is not None:
+                sampled = self._sample(rows, logits)
+                if sampled is not None:
+                    self._append_samples(*sampled)
+        return self._collect_outputs()
+
+    def _schedule(self) -> SchedulerOutput | None:
+        try:
+            return self.scheduler.schedule()
+        except Exception as exc:
+            self._fail_everything(exc, phase="schedule")
+            return None
+
+    def _update_batch(self, sched: SchedulerOutput) -> bool:
+        """Persistent-batch update, then every processor's ``update_state``; False: skip the step."""
         joining = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in sched.joining]
         try:
             update = self.batch.update(sched.finished_ids, joining, swaps=self._swaps)
-            for req in sched.joining:
-                req.in_batch = True
-            if update is not None:
-                self.num_condense_moves += sum(1 for m in update.moved if m[2].name == "UNIDIRECTIONAL")
-                self.num_swaps += sum(1 for m in update.moved if m[2].name == "SWAP")
+        except Exception as exc:
+            in_batch = [self._requests[rid] for rid in self.batch.req_ids if rid in self._requests]
+            self._fail_and_rebuild(in_batch + sched.joining, _phase_error("batch update", exc))
+            return False
+        for req in sched.joining:
+            req.in_batch = True
+        if update is not None:
+            self.num_condense_moves += sum(1 for m in update.moved if m[2].name == "UNIDIRECTIONAL")
+            self.num_swaps += sum(1 for m in update.moved if m[2].name == "SWAP")
+        try:
             self.processors.update_state(update)
         except ProcessorError as exc:
-            self._fail_batch(exc)
-            return self._collect_outputs()
-        rows = [sched.chunks[rid] for rid in self.batch.req_ids]
-        partial = [c for c in sched.chunks.values() if not c.sample]
-        if rows or partial:
-            seqs = [ScheduledSeq(c.request.slot, c.token_ids, c.start_pos, c.sample) for c in rows + partial]
+            self._isolate(exc, [self._requests[rid] for rid in self.batch.req_ids], None)
+        return True
+
+    def _execute(self, rows: list[ScheduledChunk], partial: list[ScheduledChunk]) -> torch.Tensor | None:
+        """The forward over every scheduled chunk; on failure those requests end with `error`."""
+        if not rows and not partial:
+            return None
+        seqs = [ScheduledSeq(c.request.slot, c.token_ids, c.start_pos, c.sample) for c in rows + partial]
+        try:
             logits = self.runner.execute(seqs)
+        except Exception as exc:
+            # Rows leave the batch by the normal removal next step: processor state stays valid.
+            logger.warning("model forward failed: %r; failing its %d sequences", exc, len(seqs))
             for c in rows + partial:
-                c.request.num_computed_tokens = c.start_pos + len(c.token_ids)
-            self.num_steps += 1
-        if rows:
+                self._finish(c.request, FinishReason.ERROR, error=_phase_error("model forward", exc))
+            return None
+        for c in rows + partial:
+            c.request.num_computed_tokens = c.start_pos + len(c.token_ids)
+        self.num_steps += 1
+        return logits
+
+    def _sample(
+        self, rows: list[ScheduledChunk], logits: torch.Tensor
+    ) -> tuple[list[ScheduledChunk], SamplerOutput] | None:
+        """The sampler over the batch rows. A processor failure is isolated to its rows and the
+        others are sampled again from the untouched logits; None when no row is left."""
+        # float32 logits are processed in place: keep them intact for the fault path.
+        work = logits.clone() if logits.dtype == torch.float32 else logits
+        while True:
             try:
-                out = self.sampler(logits, self.batch.sampling_metadata())
+                return rows, self.sampler(work, self.batch.sampling_metadata(), pristine=logits)
             except ProcessorError as exc:
-                self._fail_batch(exc)
-                return self._collect_outputs()
-            self._append_samples(rows, out)
-        return self._collect_outputs()
+                survivors = self._isolate(exc, [c.request for c in rows], logits)
+            except Exception as exc:
+                self._fail_and_rebuild([c.request for c in rows], _phase_error("sampler", exc))
+                return None
+            if not survivors:
+                return None
+            # Every round fails at least one row, so this ends.
+            position = {c.request.request_id: i for i, c in enumerate(rows)}
+            rows = [rows[position[r.request_id]] for r in survivors]
+            logits = logits[torch.tensor([position[r.request_id] for r in survivors], device=logits.device)]
+            work = logits.clone()
 
     def _swaps(self, order: list[str]) -> list[tuple[int, int]]:
         if not self.config.reorder_batch:
@@ -245,27 +303,32 @@ class LLMEngine:
         for row, chunk in enumerate(rows):
             req = chunk.request
             if errors[row]:
-                self._finish(req, FinishReason.ERROR, error=_NO_FINITE_LOGIT)
+                self._finish(req, FinishReason.ERROR, error=out.error_messages.get(row, NO_FINITE_LOGIT))
                 continue
-            tok = tokens[row]
-            req.output_token_ids.append(tok)
-            req.new_token_ids.append(tok)
-            if req.logprobs is not None and lp_ids is not None:
-                position = self._position_logprobs(req.params.logprobs or 0, lp_ids[row], lp_vals[row], lp_ranks[row])
-                req.logprobs.append(position)
-                req.new_logprobs.append(position)
-                req.cumulative_logprob = (req.cumulative_logprob or 0.0) + lp_vals[row][0]
-            self._check_stop(req, tok)
+            try:
+                tok = tokens[row]
+                req.output_token_ids.append(tok)
+                req.new_token_ids.append(tok)
+                if req.logprobs is not None and lp_ids is not None:
+                    position = self._position_logprobs(
+                        req.params.logprobs or 0, lp_ids[row], lp_vals[row], lp_ranks[row]
+                    )
+                    req.logprobs.append(position)
+                    req.new_logprobs.append(position)
+                    req.cumulative_logprob = (req.cumulative_logprob or 0.0) + position[tok].logprob
+                self._check_stop(req, tok)
+            except Exception as exc:  # detokenizer / stop check of this one row
+                self._finish(req, FinishReason.ERROR, error=_phase_error("token append (detokenize, stop check)", exc))
             self._parents[req.parent_id].dirty.add(req.index)
 
     def _position_logprobs(self, k: int, ids: list[int], vals: list[float], sampled_rank: int) -> PositionLogprobs:
         def decode(tok: int) -> str:
             return self._backend.decode([tok], skip_special_tokens=False)
 
-        position: PositionLogprobs = {ids[0]: Logprob(vals[0], sampled_rank, decode(ids[0]))}
+        position: PositionLogprobs = {ids[0]: Logprob(wire_logprob(vals[0]), sampled_rank, decode(ids[0]))}
         for i in range(1, k + 1):
             if ids[i] not in position:
-                position[ids[i]] = Logprob(vals[i], i, decode(ids[i]))
+                position[ids[i]] = Logprob(wire_logprob(vals[i]), i, decode(ids[i]))
         return position
 
     def _check_stop(self, req: Request, tok: int) -> None:
@@ -288,15 +351,90 @@ class LLMEngine:
         self.scheduler.finish(req)
         self._parents[req.parent_id].dirty.add(req.index)
 
-    def _fail_batch(self, exc: ProcessorError) -> None:
-        """A processor raised: the step's batch ends with `error`; processors restart clean."""
-        logger.warning("%s; failing the %d requests of this step", exc, self.batch.num_reqs)
-        failed = [self._requests[rid] for rid in self.batch.req_ids]
+    # -- failure isolation -------------------------------------------------------------------
+    #
+    # A processor that raises in update_state or apply fails only the rows that trigger it:
+    # fresh instances of the processors replay the failing call over halves of the batch
+    # (bisection); rows whose replay still fails are the culprits. The survivors are re-added to
+    # a rebuilt batch state (fresh processors see them as `added` with their live output lists;
+    # seeded rows keep their generators), so they continue exactly as if nothing had happened.
+
+    def _isolate(self, exc: ProcessorError, reqs: list[Request], logits: torch.Tensor | None) -> list[Request]:
+        """Fail the culprits of ``exc`` among ``reqs`` (batch rows in order); rebuild; return the survivors."""
+        culprits = self._culprits(exc, reqs, logits)
+        logger.warning("%s; failing %d of the %d requests of this step", exc, len(culprits), len(reqs))
+        blamed = {id(r) for r in culprits}
+        survivors = [r for r in reqs if id(r) not in blamed]
+        return self._fail_and_rebuild(culprits, str(exc), survivors)
+
+    def _culprits(self, exc: ProcessorError, reqs: list[Request], logits: torch.Tensor | None) -> list[Request]:
+        """The rows whose replay alone fails; every row when the failure cannot be pinned down."""
+
+        def fails(part: list[int]) -> bool:
+            return self._replay_fails(exc, [reqs[i] for i in part], None if logits is None else logits[part])
+
+        def bisect(part: list[int]) -> list[int]:
+            if not fails(part):
+                return []
+            if len(part) == 1:
+                return part
+            half = len(part) // 2
+            return (bisect(part[:half]) + bisect(part[half:])) or part  # only together: blame them all
+        try:
+            rows = bisect(list(range(len(reqs))))
+        except Exception:  # the replay itself broke: blame everyone
+            logger.exception("replaying a processor failure failed")
+            rows = []
+        return [reqs[i] for i in rows] if rows else list(reqs)
+
+    def _replay_fails(self, exc: ProcessorError, reqs: list[Request], logits: torch.Tensor | None) -> bool:
+        """Does the failing call raise again on fresh processors holding only ``reqs``?"""
+        procs = self.processors.fresh(self.config, self.device, self.pin_memory)
+        try:
+            procs.update_state(_added(reqs))
+            if exc.phase == "apply" and logits is not None:
+                x = logits.to(torch.float32, copy=True)
+                for p in procs.every():
+                    if type(p).__name__ == exc.processor:
+                        x = p.apply(x)
+        except Exception:
+            return True
+        return False
+
+    def _fail_and_rebuild(
+        self, failed: Sequence[Request], error: str, survivors: Sequence[Request] = ()
+    ) -> list[Request]:
+        """``failed`` end with `error`; fresh batch, processors and sampler hold only ``survivors``.
+
+        Returns the survivors in the rebuilt batch, in row order.
+        """
         for req in failed:
-            self._finish(req, FinishReason.ERROR, error=str(exc))
+            self._finish(req, FinishReason.ERROR, error=error)
+        generators = self.batch.generators()
         self.scheduler.forget_batch()
         self._build_batch_state()
         self.num_restarts += 1
+        if not survivors:
+            return []
+        self.batch.carry_generators({r.request_id: generators[r.request_id] for r in survivors if r.request_id in generators})
+        update = self.batch.update([], [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in survivors])
+        try:
+            self.processors.update_state(update)
+        except ProcessorError as exc:  # another culprit among the survivors: isolate it too
+            return self._isolate(exc, list(survivors), None)
+        return list(survivors)
+
+    def _fail_everything(self, exc: Exception, phase: str = "step") -> None:
+        """Last resort: every unfinished request ends with `error` and the engine starts clean.
+
+        Raises (the engine cannot continue) only when rebuilding itself fails.
+        """
+        logger.exception("engine %s failed; failing every unfinished request", phase)
+        error = _phase_error(phase, exc)
+        for parent in list(self._parents.values()):
+            for child in parent.children:
+                self._finish(child, FinishReason.ERROR, error=error)
+        self._fail_and_rebuild([], error)
 
     # -- outputs out ---------------------------------------------------------------------
 
@@ -305,7 +443,10 @@ class LLMEngine:
         for parent in list(self._parents.values()):
             if not parent.dirty:
                 continue
-            deltas = [self._delta(parent.children[i]) for i in sorted(parent.dirty)]
+            try:
+                deltas = [self._delta(parent.children[i]) for i in sorted(parent.dirty)]
+            except Exception as exc:  # this request's detokenizer broke: it alone ends
+                deltas = self._error_deltas(parent, _phase_error("output collection", exc))
             parent.dirty.clear()
             finished = parent.finished
             outputs.append(RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, deltas, finished))
@@ -314,6 +455,16 @@ class LLMEngine:
                 for child in parent.children:
                     self._requests.pop(child.request_id, None)
         return outputs
+
+    def _error_deltas(self, parent: _Parent, error: str) -> list[CompletionOutput]:
+        """Final deltas of a request whose outputs could not be built (no text: it is what broke)."""
+        for child in parent.children:
+            self._finish(child, FinishReason.ERROR, error=error)
+        parent.dirty.clear()
+        return [
+            CompletionOutput(c.index, "", c.new_token_ids, None, None, str(c.finish_reason), None, c.error)
+            for c in parent.children
+        ]
 
     def _delta(self, req: Request) -> CompletionOutput:
         delta = CompletionOutput(
@@ -331,7 +482,21 @@ class LLMEngine:
         return delta
 
 
+def _phase_error(phase: str, exc: BaseException) -> str:
+    return f"engine step failed in {phase}: {type(exc).__name__}: {exc}"
+
+
+def _added(reqs: list[Request]) -> BatchUpdate:
+    """What fresh processors are told about ``reqs`` as rows 0..n-1 (their live output lists)."""
+    added = [(i, r.params, r.prompt_token_ids, r.output_token_ids) for i, r in enumerate(reqs)]
+    return BatchUpdate(batch_size=len(reqs), removed=[], moved=[], added=added)
+
+
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The i-th of n sequences: same params, n=1, and a distinct seed when seeded (as vLLM)."""
-    seed = None if params.seed is None else params.seed + index
+    seed = None
+    if params.seed is not None:
+        seed = params.seed + index
+        if seed >= 2**64:  # stays in range; seed - 2**64 gives torch the same stream (seed % 2**64)
+            seed -= 2**64
     return dataclasses.replace(params, n=1, seed=seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -22,6 +23,17 @@ class Logprob:
     # 1-based rank of the token in its row (1 = the most likely).
     rank: int
     decoded_token: str | None = None
+
+
+# What a -inf (or NaN) logprob is reported as (vLLM's value): JSON carries no NaN or Infinity.
+LOGPROB_FLOOR = -9999.0
+
+
+def wire_logprob(value: float) -> float:
+    """A logprob (or raw logit) safe on every wire: -inf and NaN become the floor, +inf the largest float."""
+    if value != value or value < LOGPROB_FLOOR:
+        return LOGPROB_FLOOR
+    return min(value, sys.float_info.max)
 
 
 # Per generated position: token id -> Logprob (the sampled token plus the top-k).

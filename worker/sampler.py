@@ -13,7 +13,11 @@
 8 logprobs: top-K of the row's source, the sampled token's logprob and 1-based rank
 9 return
 
-A row left with no finite logit gets ``errors[row] = True`` and token -1; the others are not
+Non-finite logits, row by row (checked once after step 6 with one row-max pass and one host
+read; nothing more happens in the common all-finite case): a row holding ``+inf`` is forced,
+its ``+inf`` tokens become 0 and every other token -inf, so greedy takes the lowest such id and
+a draw is uniform among them; a row holding NaN fails. A row left with no finite logit (or NaN)
+gets ``errors[row] = True``, token -1 and a message in ``error_messages``; the others are not
 affected. Host reads: the plan is read once per metadata object (i.e. per batch change); per
 step, the small routing flags (top-k ties, top-p probe hits, row validity, logprob ties) are
 read together in one transfer. Rows whose top-p nucleus does not fit the probe take a
@@ -23,7 +27,7 @@ read together in one transfer. Rows whose top-p nucleus does not fit the probe t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -62,11 +66,20 @@ class LogprobsTensors:
     ranks: torch.Tensor  # [B] int64, rank of the sampled token: count(logprob >= sampled's)
 
 
+NO_FINITE_LOGIT = (
+    "no token has a finite logit after processing: every token was excluded (allowed_token_ids, "
+    "bad_words, logit_bias and the logits processors excluded every token)"
+)
+NAN_LOGITS = "the logits held NaN"
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64; -1 where errors
     logprobs: LogprobsTensors | None
-    errors: torch.Tensor  # [B] bool: the row had no finite logit left
+    errors: torch.Tensor  # [B] bool: the row had no finite logit left, or held NaN
+    # Why each error row failed (host side, only error rows): all excluded, or NaN and its source.
+    error_messages: dict[int, str] = field(default_factory=dict)
 
 
 class _HostRead:
@@ -148,6 +161,28 @@ def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def resolve_non_finite_(x: torch.Tensor) -> torch.Tensor | None:
+    """SPEC §2.4 non-finite rules, in place on the rows that need them; [B] bool NaN rows or None.
+
+    A row holding ``+inf`` becomes 0 at its ``+inf`` tokens and -inf elsewhere (the limit of
+    softmax: greedy takes the lowest such id, a draw is uniform among them). A row holding NaN
+    becomes all zeros (a harmless stand-in: its token is discarded) and is flagged. Cost in the
+    common case: one row-max pass (NaN propagates through ``amax``) and one host read.
+    """
+    m = x.amax(-1)
+    special = torch.isnan(m) | torch.isposinf(m)
+    if not bool(special.any()):
+        return None
+    rows = special.nonzero().flatten()
+    sub = x.index_select(0, rows)
+    nan = torch.isnan(sub).any(-1)
+    forced = torch.where(torch.isposinf(sub), 0.0, _NEG_INF)
+    x.index_copy_(0, rows, torch.where(nan[:, None], 0.0, forced))
+    nan_rows = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    nan_rows[rows] = nan
+    return nan_rows
+
+
 def _order_by_prob(q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Permutation putting candidates in top-p order: probability desc, id asc."""
     o1 = torch.argsort(ids, dim=-1, stable=True)
@@ -179,30 +214,108 @@ class Sampler:
             self._workspaces[device] = Workspace(device)
         return self._workspaces[device]
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, *, pristine: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row. float32 ``logits`` are processed in place; ``pristine`` (an
+        untouched copy, when the caller keeps one) lets a NaN be traced to the processor that made it.
+        """
         plan = self._plan_for(metadata, logits)
         ws = self._workspace(logits.device)
         host = _HostRead()
         x = logits if logits.dtype == torch.float32 else logits.float()  # 2
         x = x.contiguous()
+        if pristine is None and x is not logits:
+            pristine = logits
         raw = self._keep_raw(x, plan, ws, host)  # 1 (reads the float32 logits before any write)
-        for p in self.processors.non_argmax_invariant:  # 3-5
-            x = _apply(p, x)
-        if not metadata.no_penalties:  # 6
-            x = _apply(self.processors.penalties, x)
+        x = self._before_sampling(x, metadata)  # 3-6
+        nan_rows = resolve_non_finite_(x)
 
         tokens = torch.full((plan.batch_size,), -1, dtype=torch.int64, device=x.device)
         ok = torch.ones(plan.batch_size, dtype=torch.bool, device=x.device)
         greedy_processed = self._greedy(x, plan, ws, tokens, ok)  # 7
         drawn = None
         if not plan.all_greedy:
-            x.div_(plan.divisor)  # 7a
-            for p in self.processors.argmax_invariant:  # 7b
-                x = _apply(p, x)
+            x = self._temperature_and_invariant(x, plan)  # 7a-7b
             drawn = self._draw(x, plan, ws, host, tokens, ok)  # 7c-7d
+        if nan_rows is not None:
+            ok &= ~nan_rows
         tokens = torch.where(ok, tokens, -1)
         logprobs = self._logprobs(x, plan, ws, host, tokens, raw, greedy_processed, drawn)  # 8
-        return SamplerOutput(tokens, logprobs, ~ok)  # 9
+        messages = {} if bool(ok.all()) else self._error_messages(ok, x, nan_rows, pristine, metadata, plan)
+        return SamplerOutput(tokens, logprobs, ~ok, messages)  # 9
+
+    def _before_sampling(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Steps 3-6: the non-argmax-invariant processors in registry order, then penalties."""
+        for p in self.processors.non_argmax_invariant:  # 3-5
+            x = _apply(p, x)
+        if not metadata.no_penalties:  # 6
+            x = _apply(self.processors.penalties, x)
+        return x
+
+    def _temperature_and_invariant(self, x: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
+        x.div_(plan.divisor)  # 7a
+        for p in self.processors.argmax_invariant:  # 7b
+            x = _apply(p, x)
+        return x
+
+    # -- errors (only when a row failed) ---------------------------------------------------------
+
+    def _error_messages(
+        self,
+        ok: torch.Tensor,
+        x: torch.Tensor,
+        nan_rows: torch.Tensor | None,
+        pristine: torch.Tensor | None,
+        metadata: SamplingMetadata,
+        plan: SamplingPlan,
+    ) -> dict[int, str]:
+        """Per failed row: NaN (before or after step 7b) or every token excluded."""
+        bad = (~ok).nonzero().flatten().tolist()
+        nan_now = torch.isnan(x[bad]).any(-1).tolist()
+        nan_before = nan_rows[bad].tolist() if nan_rows is not None else [False] * len(bad)
+        nan = [r for r, a, b in zip(bad, nan_now, nan_before) if a or b]
+        sources = self._nan_sources(pristine, nan, metadata, plan) if nan and pristine is not None else {}
+        out = {}
+        for r in bad:
+            if r in nan:
+                src = sources.get(r)
+                out[r] = NAN_LOGITS + (f" (produced by {src})" if src else "")
+            else:
+                out[r] = NO_FINITE_LOGIT
+        return out
+
+    def _nan_sources(
+        self, pristine: torch.Tensor, rows: list[int], metadata: SamplingMetadata, plan: SamplingPlan
+    ) -> dict[int, str]:
+        """Replay steps 2-7b on a copy of the untouched logits and name, per row, the first stage
+        after which it held NaN: "the model" or a processor's class name. Error path only."""
+        y = pristine.to(torch.float32, copy=True).contiguous()
+        idx = torch.tensor(rows, device=y.device)
+        found: dict[int, str] = {}
+
+        def note(stage: str) -> None:
+            for r, is_nan in zip(rows, torch.isnan(y.index_select(0, idx)).any(-1).tolist()):
+                if is_nan:
+                    found.setdefault(r, stage)
+
+        note("the model")
+        stages = list(self.processors.non_argmax_invariant)
+        if not metadata.no_penalties:
+            stages.append(self.processors.penalties)
+        try:
+            for p in stages:
+                y = _apply(p, y)
+                note(f"logits processor {type(p).__name__}")
+            if not plan.all_greedy:
+                resolve_non_finite_(y)
+                y.div_(plan.divisor)
+                for p in self.processors.argmax_invariant:
+                    y = _apply(p, y)
+                    note(f"logits processor {type(p).__name__}")
+        except ProcessorError:
+            pass  # the replay is best effort: the row fails either way
+        return found
 
     # -- step 1 ----------------------------------------------------------------------------
 

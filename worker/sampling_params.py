@@ -27,7 +27,52 @@ def _is_number(x: Any) -> bool:
 
 
 def _bad(name: str, value: Any, rule: str) -> ValueError:
-    return ValueError(f"{name}: {rule}, got {value!r}")
+    return ValueError(f"{name}: {rule}, got {_shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    """``repr`` cut short: an error message must not echo a megabyte back."""
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+# Fixed-width integer ranges (SPEC §2.5): what the engine stores in int64 columns, and seeds.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # vLLM's range; the engine seeds with seed % 2**64
+
+
+def _is_int_in(x: Any, lo: int, hi: int) -> bool:
+    return _is_int(x) and lo <= x <= hi
+
+
+def _is_finite_number(x: Any) -> bool:
+    return _is_number(x) and math.isfinite(x)
+
+
+def check_unicode(name: str, text: str) -> None:
+    """ValueError naming ``name`` when ``text`` is not valid Unicode (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name}: must be valid Unicode (lone surrogate at index {exc.start})") from None
+
+
+def check_json_text(name: str, value: Any, depth: int = 0) -> None:
+    """Every key and string inside a JSON-like value is valid Unicode (no recursion past 100 levels)."""
+    if depth > 100:
+        raise ValueError(f"{name}: nested more than 100 levels deep")
+    if isinstance(value, str):
+        check_unicode(name, value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str):
+                check_unicode(name, k)
+            check_json_text(name, v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            check_json_text(name, v, depth + 1)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name}: numbers must be finite, got {value!r}")
 
 
 @dataclass
@@ -106,60 +151,68 @@ class SamplingParams:
     # -- validation ----------------------------------------------------------------------
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not _is_int_in(self.n, 1, INT64_MAX):
             raise _bad("n", self.n, "must be an integer >= 1")
         t = self.temperature
-        if not _is_number(t) or not math.isfinite(t) or not 0.0 <= t <= 2.0:
+        if not _is_finite_number(t) or not 0.0 <= t <= 2.0:
             raise _bad("temperature", t, "must be a finite number in [0, 2]")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise _bad("top_p", self.top_p, "must be in (0, 1]")
-        if not _is_int(self.top_k) or not (self.top_k in (0, -1) or self.top_k >= 1):
-            raise _bad("top_k", self.top_k, "must be 0 or -1 (disabled) or an integer >= 1")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        if not _is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be a finite number in (0, 1]")
+        if not _is_int_in(self.top_k, -1, INT64_MAX):
+            raise _bad("top_k", self.top_k, f"must be 0 or -1 (disabled) or an integer in [1, {INT64_MAX}]")
+        if not _is_finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be a finite number in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _is_number(v) or not -2.0 <= v <= 2.0:
-                raise _bad(name, v, "must be in [-2, 2]")
+            if not _is_finite_number(v) or not -2.0 <= v <= 2.0:
+                raise _bad(name, v, "must be a finite number in [-2, 2]")
         r = self.repetition_penalty
-        if not _is_number(r) or not math.isfinite(r) or r <= 0.0:
+        if not _is_finite_number(r) or r <= 0.0:
             raise _bad("repetition_penalty", r, "must be a finite number > 0")
-        if self.seed is not None and not _is_int(self.seed):
-            raise _bad("seed", self.seed, "must be an integer")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.seed is not None and not _is_int_in(self.seed, SEED_MIN, SEED_MAX):
+            raise _bad("seed", self.seed, f"must be an integer in [-2**63, 2**64) = [{SEED_MIN}, {SEED_MAX}]")
+        if not _is_int_in(self.max_tokens, 1, INT64_MAX):
+            raise _bad("max_tokens", self.max_tokens, f"must be an integer in [1, {INT64_MAX}]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 raise _bad("stop", s, "stop strings must be non-empty strings")
+            check_unicode("stop", s)
         for w in self.bad_words:
             if not isinstance(w, str) or w.strip() == "":
                 raise _bad("bad_words", w, "bad words must be non-empty strings")
+            check_unicode("bad_words", w)
         for tok in self.stop_token_ids:
-            if not _is_int(tok) or tok < 0:
+            if not _is_int_in(tok, 0, INT64_MAX):
                 raise _bad("stop_token_ids", tok, "token ids must be integers >= 0")
         if self.allowed_token_ids is not None:
             if len(self.allowed_token_ids) == 0:
                 raise _bad("allowed_token_ids", self.allowed_token_ids, "must not be empty")
             for tok in self.allowed_token_ids:
-                if not _is_int(tok) or tok < 0:
+                if not _is_int_in(tok, 0, INT64_MAX):
                     raise _bad("allowed_token_ids", tok, "token ids must be integers >= 0")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
-                if tok < 0:
+                if not 0 <= tok <= INT64_MAX:
                     raise _bad("logit_bias", tok, "token ids must be integers >= 0")
-                if not _is_number(bias) or not math.isfinite(bias):
+                if not _is_finite_number(bias):
                     raise _bad("logit_bias", bias, f"bias of token {tok} must be a finite number")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and not _is_int_in(self.logprobs, 0, INT64_MAX):
             raise _bad("logprobs", self.logprobs, "must be an integer >= 0")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise _bad("extra_args", self.extra_args, "must be a JSON object (dict)")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise _bad("extra_args", self.extra_args, "must be a JSON object (dict)")
+            check_json_text("extra_args", self.extra_args)
 
     def validate_for_model(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
-        """Checks that need the model: token ids inside the vocabulary, the logprobs cap."""
+        """Checks that need the model: token ids inside the vocabulary, the logprobs cap.
+
+        The standard rules run again first: fields may have been assigned after construction.
+        """
+        self._validate()
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("allowed_token_ids", self.allowed_token_ids or ()),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.logits_processor.registry import LogitsProcessors
-from worker.sampling_params import SamplingParams
+from worker.sampling_params import SamplingParams, check_unicode
 
 Prompt = str | list[int]
 
@@ -29,6 +29,7 @@ class RequestValidator:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            check_unicode("prompt", prompt)
             ids = list(self.tokenizer.encode(prompt))
         else:
             ids = list(prompt)

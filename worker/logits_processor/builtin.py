@@ -23,6 +23,7 @@ from worker.ops.workspace import Workspace
 from worker.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+_F32_MAX = torch.finfo(torch.float32).max
 T = TypeVar("T")
 
 
@@ -202,7 +203,9 @@ class LogitBiasLogitsProcessor(_SparseRows[tuple[tuple[int, ...], tuple[float, .
     def _rebuild(self, vocab_size: int) -> None:
         items = list(self.states.items())
         rows, toks = _pairs([(r, s[0]) for r, s in items])
-        biases = [b for _, s in items for b in s[1]]
+        # Clamped to float32's finite range: a huge bias (gRPC does not clamp to +-100) must not
+        # become inf, whose sum with a banned token's -inf would be NaN.
+        biases = [min(max(b, -_F32_MAX), _F32_MAX) for _, s in items for b in s[1]]
         self._at = (self._stage(rows, torch.int64), self._stage(toks, torch.int64))
         self._bias = self._stage(biases, torch.float32)
 

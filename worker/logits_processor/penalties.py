@@ -48,7 +48,11 @@ class PenaltiesLogitsProcessor(_SparseRows[_Penalties]):
         items = list(self.states.items())
         self._items = items
         self._rows = self._stage([r for r, _ in items], torch.int64)
-        self._rep = self._stage([s.repetition for _, s in items], torch.float32)
+        # Clamped into float32's positive finite range: 1e-300 would round to 0 (and -inf * 0 is
+        # NaN), 1e300 to inf (0 * inf is NaN). A clamped tiny penalty may still overflow x / r to
+        # +inf, which the sampler treats as forcing those tokens (SPEC §2.4).
+        f32 = torch.finfo(torch.float32)
+        self._rep = self._stage([min(max(s.repetition, f32.tiny), f32.max) for _, s in items], torch.float32)
         self._freq = self._stage([s.frequency for _, s in items], torch.float32)
         self._pres = self._stage([s.presence for _, s in items], torch.float32)
         uses_rep = [s.repetition != 1.0 for _, s in items]

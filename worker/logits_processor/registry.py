@@ -115,12 +115,20 @@ class LogitsProcessors:
         self.non_argmax_invariant: list[LogitsProcessor] = [p for p, inv in zip(self.all, invariant) if not inv]
         self._invariant = [*invariant, penalties.is_argmax_invariant()]
 
-    def _every(self) -> list[LogitsProcessor]:
+    def every(self) -> list[LogitsProcessor]:
+        """Every loaded processor, penalties last."""
         return [*self.all, self.penalties]
+
+    def fresh(self, config: Any, device: torch.device, is_pin_memory: bool) -> LogitsProcessors:
+        """New instances of the same classes, in the same order, with empty state (no loading)."""
+        return LogitsProcessors(
+            [_instantiate(type(p), config, device, is_pin_memory) for p in self.all],
+            _instantiate(type(self.penalties), config, device, is_pin_memory),
+        )
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Tell every processor (penalties too) how the batch changed."""
-        for p in self._every():
+        for p in self.every():
             try:
                 p.update_state(batch_update)
             except Exception as exc:
@@ -128,13 +136,13 @@ class LogitsProcessors:
 
     def validate_params(self, params: SamplingParams) -> None:
         """Run every loaded class's ``validate_params``; a ValueError propagates unchanged."""
-        for p in self._every():
+        for p in self.every():
             type(p).validate_params(params)
 
     def describe(self) -> list[dict[str, Any]]:
         """Name, FQCN, argmax invariance and declared ``extra_args`` of every loaded processor."""
         out = []
-        for p, invariant in zip(self._every(), self._invariant):
+        for p, invariant in zip(self.every(), self._invariant):
             cls = type(p)
             schema = getattr(cls, "extra_args_schema", None)
             props = schema.get("properties", {}) if isinstance(schema, dict) else {}

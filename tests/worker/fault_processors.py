@@ -1,0 +1,77 @@
+"""TEST FIXTURES: processors that force tokens, write NaN or raise, to exercise SPEC §2.4's
+non-finite rules and the engine's failure isolation. Each reads one ``extra_args`` key, so the
+rows that enable it are exactly the ones a fault should stay with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+
+class _PerRow(LogitsProcessor):
+    """Keeps ``extra_args[KEY]`` per row through adds, removes and moves (the seeds' pattern)."""
+
+    KEY = ""
+
+    def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, Any] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _, _ in batch_update.added:
+            value = (params.extra_args or {}).get(self.KEY)
+            if value is None:
+                self.rows.pop(index, None)
+            else:
+                self.rows[index] = value
+        for src, dst, kind in batch_update.moved:
+            a, b = self.rows.pop(src, None), self.rows.pop(dst, None)
+            if a is not None:
+                self.rows[dst] = a
+            if kind == MoveDirectionality.SWAP and b is not None:
+                self.rows[src] = b
+
+
+class ForceTokensProcessor(_PerRow):
+    """``extra_args={"force": [ids]}``: those tokens get +inf (vLLM's examples force this way)."""
+
+    KEY = "force"
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row, ids in self.rows.items():
+            logits[row, ids] = float("inf")
+        return logits
+
+
+class NaNProcessor(_PerRow):
+    """``extra_args={"nan": true}``: writes NaN into the row's first logit."""
+
+    KEY = "nan"
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row in self.rows:
+            logits[row, 0] = float("nan")
+        return logits
+
+
+class ArmedUpdateStateProcessor(_PerRow):
+    """Raises in ``update_state`` for every batch change while the class is ``armed`` (all rows)."""
+
+    armed = False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is not None and type(self).armed:
+            raise RuntimeError("ArmedUpdateStateProcessor: armed")
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
