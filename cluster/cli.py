@@ -81,10 +81,13 @@ def local_cluster_env(cfg: Any, token_dir: Path | None = None) -> dict[str, str]
         print("warning: RAY_AUTH_MODE=disabled: the local Ray cluster accepts unauthenticated clients",
               file=sys.stderr)
         return env
+    import atexit
     import secrets
+    import shutil
     import tempfile
 
     directory = Path(tempfile.mkdtemp(prefix="logitpool-ray-auth-", dir=token_dir))  # mode 0700
+    atexit.register(shutil.rmtree, directory, True)  # the token lives as long as this cluster
     token = directory / "auth_token"
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -16,9 +16,9 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.errors import classify
-from cluster.limits import PayloadTooLarge
-from cluster.grpc_servicers import MalformedRequest
 from cluster.grpc_convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
+from cluster.grpc_servicers import MalformedRequest
+from cluster.limits import PayloadTooLarge
 from worker.outputs import OutputAccumulator
 
 

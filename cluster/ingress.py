@@ -24,8 +24,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from cluster import grpc_service, pool_stats
@@ -47,6 +47,7 @@ from cluster.openai_protocol import (
     usage,
     usage_chunk,
 )
+from cluster.replica_bind import bind_replica_grpc_to_node_ip
 from worker.logits_processor.registry import build_logits_processors
 from worker.models import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput
@@ -142,6 +143,7 @@ api.openapi = _openapi  # type: ignore[method-assign]
 
 class LogitpoolIngress(grpc_service.GrpcMethods):
     def __init__(self, worker: DeploymentHandle, config: dict[str, Any]) -> None:
+        bind_replica_grpc_to_node_ip()
         self.cfg = LogitpoolConfig.model_validate(config)
         engine = worker_engine_config(self.cfg)
         self.model_name = engine.model or "logitpool-tiny"

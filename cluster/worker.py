@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 
 from cluster import pool_stats
+from cluster.replica_bind import bind_replica_grpc_to_node_ip
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.outputs import OutputAccumulator, RequestOutput
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 class LogitpoolWorker:
     def __init__(self, engine: dict[str, Any], stream_interval_s: float = 0.0) -> None:
+        bind_replica_grpc_to_node_ip()
         self.config = EngineConfig(**engine)
         self.stream_interval_s = stream_interval_s
         self.engine = AsyncEngine(self.config)

@@ -77,11 +77,10 @@ def listening_sockets(pids: set[int]) -> list[tuple[int, str, int]]:
     return out
 
 
-def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir, tmp_path):
+def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
     http_port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "LOGITPOOL_HTTP"))}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    env["TMPDIR"] = str(tmp_path)  # the auth token directory lands here
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
          "--http-port", str(http_port), "--grpc-port", str(grpc_port)],
@@ -104,14 +103,15 @@ def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir, tmp_pat
         assert any(port == http_port for _, _, port in sockets)
         exposed = [(pid, ip, port) for pid, ip, port in sockets if ip not in LOOPBACK]
         assert {port for _, _, port in exposed} <= {grpc_port}, f"listening beyond loopback: {exposed}"
-        tokens = list(tmp_path.glob("logitpool-ray-auth-*/auth_token"))
-        assert len(tokens) == 1 and tokens[0].stat().st_mode & 0o777 == 0o600
-        assert len(tokens[0].read_text()) == 64
-        env_of_gcs = [
-            Path(f"/proc/{pid}/environ").read_bytes() for pid in _descendants(proc.pid)
-            if "gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        gcs_env = [
+            dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+            for pid in _descendants(proc.pid)
+            if b"gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]
-        assert env_of_gcs and all(b"RAY_AUTH_MODE=token" in e for e in env_of_gcs)
+        assert len(gcs_env) == 1 and gcs_env[0][b"RAY_AUTH_MODE"] == b"token"
+        token = Path(gcs_env[0][b"RAY_AUTH_TOKEN_PATH"].decode())
+        assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+        assert token.parent.stat().st_mode & 0o777 == 0o700
         print(f"listening: {len(sockets)} sockets, beyond loopback: {exposed}")
     finally:
         started = _descendants(proc.pid) - {proc.pid}
@@ -123,6 +123,8 @@ def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir, tmp_pat
             proc.wait(30)
         for pid in started:  # whatever this test's CLI started and left behind
             try:
-                os.kill(pid, signal.SIGKILL)
+                if b"ray" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+    assert proc.returncode == 0
