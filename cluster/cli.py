@@ -60,9 +60,47 @@ def build_config(args: argparse.Namespace) -> Any:
     return cfg.with_overrides(**o) if o else cfg
 
 
+def local_cluster_env(cfg: Any, token_dir: Path | None = None) -> dict[str, str]:
+    """Environment for a Ray cluster this CLI starts itself (set before Ray is imported).
+
+    - Every Ray listener (GCS, raylet, object manager, agents, workers) binds the node address,
+      which is loopback unless `server.host` asks for all interfaces: Ray then treats the node
+      as a single-machine cluster (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes its node address
+      the loopback one; that variable only decides this).
+    - Token authentication on (RAY_AUTH_MODE=token) with a fresh random token per start, in a
+      file only this user can read; RAY_AUTH_MODE=disabled set by the caller is respected (the
+      test suite does, for its own clusters) and warned about.
+    - Serve's HTTP proxy gets the request read timeout (cluster.slow_clients).
+    """
+    from cluster.slow_clients import proxy_env
+
+    env = dict(proxy_env(cfg.limits.read_timeout_s))
+    if cfg.server.host in ("127.0.0.1", "localhost", "::1"):
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        print("warning: RAY_AUTH_MODE=disabled: the local Ray cluster accepts unauthenticated clients",
+              file=sys.stderr)
+        return env
+    import atexit
+    import secrets
+    import shutil
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="logitpool-ray-auth-", dir=token_dir))  # mode 0700
+    atexit.register(shutil.rmtree, directory, True)  # the token lives as long as this cluster
+    token = directory / "auth_token"
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    return env
+
+
 def start_serve(cfg: Any, address: str | None = None) -> Any:
     """Start/join Ray, start Serve's HTTP and gRPC proxies, deploy; returns the resolved config."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address is None and "ray" not in sys.modules:
+        os.environ.update(local_cluster_env(cfg))
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -72,8 +110,10 @@ def start_serve(cfg: Any, address: str | None = None) -> Any:
     if not ray.is_initialized():
         if address is None:
             # A local cluster: logical CPUs are scheduling slots, not cores; leave room for the
-            # ingress and a few worker replicas even on a 2-core laptop.
-            ray.init(num_cpus=max(os.cpu_count() or 1, LOCAL_NUM_CPUS), include_dashboard=False, log_to_driver=False)
+            # ingress and a few worker replicas even on a 2-core laptop. Nothing listens beyond
+            # the node address (see local_cluster_env); the dashboard is off.
+            ray.init(num_cpus=max(os.cpu_count() or 1, LOCAL_NUM_CPUS), include_dashboard=False,
+                     log_to_driver=False, dashboard_host="127.0.0.1")
         else:
             ray.init(address=address, log_to_driver=False)
     serve.start(
@@ -116,6 +156,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     http = f"http://{host}:{cfg.server.http_port}"
     print(f"logitpool is serving {cfg.engine.model}")
     print(f"  HTTP (OpenAI-compatible): {http}/v1   gRPC: {host}:{cfg.server.grpc_port}")
+    if cfg.server.host not in ("0.0.0.0", "::"):
+        print(f"  note: Ray Serve's gRPC proxy listens on every interface ([::]:{cfg.server.grpc_port}) whatever "
+              "--host says; set API keys (LOGITPOOL_API_KEY) or firewall the port")
     print(f"  processors: {http}/v1/processors   health: {http}/health   metrics: {http}/metrics")
     print("Try:")
     print(f"  curl {http}/v1/completions -H 'Content-Type: application/json' "

@@ -29,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from cluster.limits import Limits
+
 if TYPE_CHECKING:
     import worker.config
 
@@ -168,6 +170,8 @@ class LogitpoolConfig(_Frozen):
     workers: WorkerDeploymentConfig = Field(default_factory=WorkerDeploymentConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    limits: Limits = Field(default_factory=Limits)
+    """Request size/time bounds enforced at the ingress; defaults in cluster.limits.Limits."""
     api_keys: tuple[SecretStr, ...] = ()
     """Accepted bearer keys for in-process use; never written to a Serve config or YAML dump."""
     api_key_env: str = "LOGITPOOL_API_KEY"

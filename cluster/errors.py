@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from pydantic import ValidationError
@@ -45,8 +47,8 @@ def classify(exc: BaseException) -> Status:
         return Status(401, grpc.StatusCode.UNAUTHENTICATED, str(exc), "authentication_error")
     if isinstance(exc, ValidationError):
         return Status(400, grpc.StatusCode.INVALID_ARGUMENT, _validation_message(exc), "invalid_request_error")
-    if isinstance(exc, ValueError):
-        return Status(400, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_request_error")
+    if isinstance(exc, ValueError):  # 400 unless it says otherwise (cluster.limits.RequestRejected)
+        return Status(getattr(exc, "http_status", 400), grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_request_error")
     if isinstance(exc, BackPressureError):
         return Status(503, grpc.StatusCode.RESOURCE_EXHAUSTED, "server overloaded, retry later", "overloaded")
     if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError,
@@ -58,3 +60,13 @@ def classify(exc: BaseException) -> Status:
         return Status(500, grpc.StatusCode.INTERNAL, str(exc), "request_failed")
     logger.exception("unexpected error", exc_info=exc)
     return Status(500, grpc.StatusCode.INTERNAL, "internal error", "internal_error")
+
+
+_PARAM = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
+
+
+def error_body(status: Status) -> dict[str, Any]:
+    """OpenAI's error shape; `param` is the field a message names first (``"n: ..."``)."""
+    m = _PARAM.match(status.message)
+    param = m.group(1) if m and m.group(1) not in ("body", "request") else None
+    return {"error": {"message": status.message, "type": status.kind, "code": status.http, "param": param}}

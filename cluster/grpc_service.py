@@ -10,12 +10,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 from grpc_health.v1 import health_pb2
 from ray.serve.grpc_util import RayServegRPCContext
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.errors import classify
 from cluster.grpc_convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
+from cluster.grpc_servicers import MalformedRequest
+from cluster.limits import PayloadTooLarge
 from worker.outputs import OutputAccumulator
 
 
@@ -24,6 +27,10 @@ def _authorization(ctx: RayServegRPCContext) -> str | None:
         if key.lower() == "authorization":
             return value
     return None
+
+
+# Services the standard health check answers for ("" is the server as a whole).
+HEALTH_SERVICES = frozenset({"", pb.DESCRIPTOR.services_by_name["LogitPool"].full_name})
 
 
 def _engine_id(request_id: str) -> str:
@@ -36,13 +43,18 @@ class GrpcMethods:
 
     def _fail(self: Any, ctx: RayServegRPCContext, exc: BaseException) -> BaseException:
         status = classify(exc)
-        self.metrics.request("grpc", status.grpc.name)
+        self._count_error(status, "grpc")
         ctx.set_code(status.grpc)
         ctx.set_details(status.message)
         return exc
 
     def _prepare(self: Any, request: pb.GenerateRequest, ctx: RayServegRPCContext) -> tuple[str, list[int], Any]:
         self.api_keys.check(_authorization(ctx))
+        if isinstance(request, MalformedRequest):
+            raise request.error()
+        size, limit = request.ByteSize(), self.limits.max_body_bytes
+        if size > limit:
+            raise PayloadTooLarge(f"request: {size} bytes exceeds limits.max_body_bytes ({limit})")
         params = sampling_params_from_pb(request.params)
         (ids,) = self.check_request(params, [prompt_from_pb(request)])
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
@@ -78,11 +90,20 @@ class GrpcMethods:
     async def ListProcessors(self: Any, request: pb.ListProcessorsRequest, grpc_context: RayServegRPCContext) -> pb.ListProcessorsResponse:
         try:
             self.api_keys.check(_authorization(grpc_context))
+            if isinstance(request, MalformedRequest):
+                raise request.error()
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         return processors_pb(self.processors.describe())
 
     async def Check(self: Any, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext) -> health_pb2.HealthCheckResponse:
+        """SERVING while some worker's engine loop is alive; NOT_FOUND for a service not served here."""
+        if isinstance(request, MalformedRequest):
+            raise self._fail(grpc_context, request.error())
+        if request.service not in HEALTH_SERVICES:
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"service: unknown service {request.service[:128]!r}")
+            raise LookupError(request.service)
         serving = await self.workers_ready()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)

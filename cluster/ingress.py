@@ -10,22 +10,30 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import torch
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
-from cluster import grpc_service
+from cluster import grpc_service, pool_stats
+from cluster import limits as request_limits
 from cluster.auth import ApiKeys
 from cluster.config import LogitpoolConfig, worker_engine_config
-from cluster.errors import RequestFailed, classify
+from cluster.errors import RequestFailed, Status, classify, error_body
+from cluster.limits import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from cluster.metrics import Metrics
 from cluster.openai_protocol import (
     ChatCompletionRequest,
@@ -39,6 +47,7 @@ from cluster.openai_protocol import (
     usage,
     usage_chunk,
 )
+from cluster.replica_bind import bind_replica_grpc_to_node_ip
 from worker.logits_processor.registry import build_logits_processors
 from worker.models import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput
@@ -52,13 +61,89 @@ REQUEST_TIMEOUT_S = 600.0
 
 api = FastAPI(title="logitpool", description="OpenAI-compatible completions over a logitpool worker pool")
 
+# Stands in for -inf / +inf if one ever reaches the wire (the engine floors logprobs the same way).
+_FLOOR = 9999.0
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else math.copysign(_FLOOR, obj)
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """Strict JSON: never NaN/Infinity (those are not JSON); a non-finite float is mapped first."""
+    try:
+        return json.dumps(obj, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":"))
+
+
+class StrictJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
 
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+    return f"data: {dumps(obj)}\n\n"
+
+
+def _status_response(status: Status, headers: dict[str, str] | None = None) -> JSONResponse:
+    return StrictJSONResponse(error_body(status), status_code=status.http, headers=headers)
+
+
+# Errors raised by the framework itself (unknown path, wrong method, ...) get the same JSON shape.
+@api.exception_handler(StarletteHTTPException)
+async def _framework_error(request: Request, exc: StarletteHTTPException) -> Response:
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _status_response(Status(exc.status_code, grpc.StatusCode.UNKNOWN, message, kind),
+                            headers=getattr(exc, "headers", None))
+
+
+@api.exception_handler(RequestValidationError)
+async def _request_validation_error(request: Request, exc: RequestValidationError) -> Response:
+    return _status_response(classify(ValueError(str(exc.errors()[:3]))))
+
+
+@api.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    return _status_response(classify(exc))
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's document plus the request bodies (the routes read raw bytes, see _parse)."""
+    if api.openapi_schema:
+        return api.openapi_schema
+    schema = get_openapi(title=api.title, version="1.0.0", description=api.description, routes=api.routes)
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                 ref_template="#/components/schemas/{model}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    for path, model in bodies.items():
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    api.openapi_schema = schema
+    return schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
 
 
 class LogitpoolIngress(grpc_service.GrpcMethods):
     def __init__(self, worker: DeploymentHandle, config: dict[str, Any]) -> None:
+        bind_replica_grpc_to_node_ip()
         self.cfg = LogitpoolConfig.model_validate(config)
         engine = worker_engine_config(self.cfg)
         self.model_name = engine.model or "logitpool-tiny"
@@ -72,6 +157,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         self.worker = worker
         self.timeout_s = REQUEST_TIMEOUT_S
         self.metrics = Metrics()
+        self.limits = self.cfg.limits
+        self.app_name = serve.get_replica_context().app_name
         self._backend = self.tokenizer.backend_tokenizer
 
     # -- shared by HTTP and gRPC -----------------------------------------------------------
@@ -80,7 +167,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         return self._backend.decode([tok], skip_special_tokens=False)
 
     def check_request(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Validate and tokenize; raises ValueError naming the field."""
+        """Limits, then validate and tokenize; raises ValueError naming the field (both protocols)."""
+        request_limits.check_request(self.limits, params, len(prompts))
         self.validator.validate(params)
         return [self.validator.tokenize(p) for p in prompts]
 
@@ -116,27 +204,50 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         return out
 
     async def workers_ready(self) -> bool:
-        try:
-            await asyncio.wait_for(self.worker.info.remote(), 5.0)
-            return True
-        except Exception:
-            return False
+        """True while at least one worker replica's engine loop is alive and stepping."""
+        return pool_stats.any_alive(await pool_stats.collect(self.app_name))
 
     # -- HTTP ------------------------------------------------------------------------------
 
+    def _count_error(self, status: Status, protocol: str) -> None:
+        self.metrics.request(protocol, status.http if protocol == "http" else status.grpc.name)
+        if 400 <= status.http < 500:
+            self.metrics.reject(protocol, status.http)
+
     def _error(self, exc: BaseException, protocol: str = "http") -> JSONResponse:
         status = classify(exc)
-        self.metrics.request(protocol, status.http)
-        return JSONResponse(
-            {"error": {"message": status.message, "type": status.kind, "code": status.http}}, status_code=status.http
-        )
+        self._count_error(status, protocol)
+        return _status_response(status)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, bounded in size (limits.max_body_bytes) and in time (limits.read_timeout_s)."""
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not _is_json(content_type):
+            raise UnsupportedMediaType(f"content-type: {content_type[:64]!r} is not supported, send application/json")
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"body: {declared} bytes exceeds limits.max_body_bytes ({limit})")
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"body: more than limits.max_body_bytes ({limit}) bytes")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.limits.read_timeout_s)
+        except TimeoutError:
+            raise RequestTimeout(f"body: not received within limits.read_timeout_s ({self.limits.read_timeout_s}s)") from None
+        return b"".join(chunks)
 
     async def _parse(self, request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
         self.api_keys.check(request.headers.get("authorization"))
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"body: invalid JSON ({exc.msg})") from exc
+        body = request_limits.parse_json(self.limits, await self._read_body(request))
         return model.model_validate(body)
 
     @api.post("/v1/completions")
@@ -157,7 +268,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, outs)
-        return JSONResponse(completion_response(rid, model, list(outs), self.decode_token, body.return_token_ids))
+        return StrictJSONResponse(completion_response(rid, model, list(outs), self.decode_token, body.return_token_ids))
 
     async def _stream_completions(
         self, rid: str, model: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest
@@ -182,8 +293,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                     continue
                 if isinstance(item, BaseException):
                     status = classify(item)
-                    self.metrics.request("http", status.http)
-                    yield _sse({"error": {"message": status.message, "type": status.kind, "code": status.http}})
+                    self._count_error(status, "http")
+                    yield _sse(error_body(status))
                     return
                 for c in item.outputs:
                     n_tokens += len(c.token_ids)
@@ -216,7 +327,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, [out])
-        return JSONResponse(chat_response(rid, model, out, self.decode_token, top_n, body.return_token_ids))
+        return StrictJSONResponse(chat_response(rid, model, out, self.decode_token, top_n, body.return_token_ids))
 
     async def _stream_chat(
         self, rid: str, model: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest
@@ -232,8 +343,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                     first.add(c.index)
         except Exception as exc:
             status = classify(exc)
-            self.metrics.request("http", status.http)
-            yield _sse({"error": {"message": status.message, "type": status.kind, "code": status.http}})
+            self._count_error(status, "http")
+            yield _sse(error_body(status))
             return
         if body.include_usage:
             yield _sse(usage_chunk(rid, model, "chat.completion.chunk", usage(len(ids), n_tokens)))
@@ -264,13 +375,16 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
 
     @api.get("/health")
     async def health(self) -> Response:
-        if await self.workers_ready():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "starting"}, status_code=503)
+        """200 only while some worker replica's engine loop is alive and stepping (its heartbeat)."""
+        pool = await pool_stats.collect(self.app_name)
+        alive = sum(1 for s in pool if s.get("alive"))
+        if alive:
+            return JSONResponse({"status": "ok", "workers_alive": alive, "workers": len(pool)})
+        return JSONResponse({"status": "unavailable", "workers_alive": 0, "workers": len(pool)}, status_code=503)
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:
-        body, content_type = self.metrics.render()
+        body, content_type = self.metrics.render(await pool_stats.collect(self.app_name))
         return Response(body, media_type=content_type)
 
 

@@ -7,8 +7,10 @@ Processors arrive as FQCN strings inside the engine config, at start-up only.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +18,8 @@ from typing import Any
 
 from ray import serve
 
+from cluster import pool_stats
+from cluster.replica_bind import bind_replica_grpc_to_node_ip
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.outputs import OutputAccumulator, RequestOutput
@@ -25,15 +29,21 @@ from worker.sampling_params import SamplingParams
 _SEEN_IDS = 10_000
 # Streams per stream interval a replica sends before it stretches the interval (see _interval).
 _STREAMS_PER_INTERVAL = 16
+# Test-only hooks (kill the engine loop) exist only when this is set in the replica's environment.
+DEBUG_ENV = "LOGITPOOL_DEBUG_HOOKS"
+
+logger = logging.getLogger(__name__)
 
 
 class LogitpoolWorker:
     def __init__(self, engine: dict[str, Any], stream_interval_s: float = 0.0) -> None:
+        bind_replica_grpc_to_node_ip()
         self.config = EngineConfig(**engine)
         self.stream_interval_s = stream_interval_s
         self.engine = AsyncEngine(self.config)
         self._seen: collections.deque[str] = collections.deque(maxlen=_SEEN_IDS)
         self._num_requests = 0
+        self._publisher: asyncio.Task[None] | None = None
 
     async def generate(
         self, request_id: str, prompt: list[int] | str, params: SamplingParams
@@ -77,9 +87,40 @@ class LogitpoolWorker:
             "processors": [p["fqcn"] for p in self.engine.engine.processors.describe()],
         }
 
+    def stats(self) -> dict[str, Any]:
+        """This replica's engine stats (pool_stats.snapshot of AsyncEngine.stats())."""
+        return pool_stats.snapshot(self.engine.stats(), kv_cache_bytes=self.engine.engine.runner.kv_cache_bytes)
+
+    async def _publish_forever(self) -> None:
+        ctx = serve.get_replica_context()
+        while True:
+            try:
+                await pool_stats.publish(ctx.app_name, ctx.replica_id.unique_id, self.stats())
+            except Exception as exc:  # noqa: BLE001 - stats are best effort; health still works
+                logger.warning("publishing engine stats failed: %r", exc)
+            await asyncio.sleep(pool_stats.PUBLISH_INTERVAL_S)
+
     async def check_health(self) -> None:
-        if self.engine.dead is not None:
-            raise RuntimeError(f"engine loop stopped: {self.engine.dead!r}")
+        """Serve calls this every few seconds (serve_config.HEALTH_CHECK_PERIOD_S): unhealthy as soon
+        as the engine loop is dead or stalled, so Serve replaces the replica within seconds."""
+        if self._publisher is None or self._publisher.done():
+            self._publisher = asyncio.create_task(self._publish_forever())
+        if not self.engine.healthy():
+            raise RuntimeError(f"engine loop not healthy: {self.engine.dead!r}")
+
+    def debug_kill_engine(self) -> float:
+        """Test-only: make the engine loop die as a real step failure would; returns the time.
+
+        Refused unless LOGITPOOL_DEBUG_HOOKS=1 is set for the replica (never in production).
+        """
+        if os.environ.get(DEBUG_ENV) != "1":
+            raise PermissionError("debug hooks are disabled")
+        exc = RuntimeError("killed by debug_kill_engine")
+        self.engine.dead = exc
+        self.engine._stopping = True  # the loop thread exits at its next turn
+        self.engine._work.set()
+        self.engine._fail_all(exc)
+        return time.time()
 
 
 WorkerDeployment = serve.deployment(name="LogitpoolWorker")(LogitpoolWorker)

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
+# The test clusters run without Ray token auth: many short-lived local clusters, loopback only
+# (`logitpool serve` turns it on; tests/cluster/test_side_doors.py checks that).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Serve's HTTP proxy in the session cluster gets the request read timeout (cluster.slow_clients),
+# short so the slowloris test is quick; set before Ray starts, its processes inherit it.
+TEST_READ_TIMEOUT_S = 4.0
+os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "cluster.slow_clients:install")
+os.environ.setdefault("LOGITPOOL_HTTP_READ_TIMEOUT_S", str(TEST_READ_TIMEOUT_S))
+# Test-only worker hooks (LogitpoolWorker.debug_kill_engine) for the engine-death test.
+os.environ.setdefault("LOGITPOOL_DEBUG_HOOKS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +58,7 @@ def ray_cluster():
         num_cpus=8,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_AUTH_MODE": "disabled",
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_AUTH_MODE": "disabled", "LOGITPOOL_DEBUG_HOOKS": "1",
                                   "LOGITPOOL_CACHE": os.environ.get("LOGITPOOL_CACHE", "")}},
     )
     yield ray

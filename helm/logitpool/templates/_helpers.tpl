@@ -44,6 +44,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "logitpool.env" -}}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+# Serve's HTTP proxy bounds how long a request may take to arrive (cluster/slow_clients.py).
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: cluster.slow_clients:install
+- name: LOGITPOOL_HTTP_READ_TIMEOUT_S
+  value: {{ .Values.limits.read_timeout_s | toString | quote }}
 {{- if eq .Values.ray.authMode "disabled" }}
 # Ray >= 2.60 turns token auth on by default for a fresh cluster; say "disabled" explicitly.
 - name: RAY_AUTH_MODE
@@ -98,8 +103,8 @@ http_options:
 grpc_options:
   port: {{ $v.ports.grpc | toJson }}
   grpc_servicer_functions:
-    - client.pb.logitpool.v1.logitpool_pb2_grpc.add_LogitPoolServicer_to_server
-    - grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server
+    - cluster.grpc_servicers.add_LogitPoolServicer_to_server
+    - cluster.grpc_servicers.add_HealthServicer_to_server
 applications:
   - name: logitpool
     route_prefix: /
@@ -138,6 +143,7 @@ applications:
         host: 0.0.0.0
         http_port: {{ $v.ports.http | toJson }}
         grpc_port: {{ $v.ports.grpc | toJson }}
+      limits: {{ $v.limits | toJson }}
       api_key_env: {{ include "logitpool.apiKeyEnv" . }}
       app_name: logitpool
       route_prefix: /
@@ -151,6 +157,9 @@ applications:
         {{- end }}
         max_ongoing_requests: {{ $workerOngoing | toJson }}
         max_queued_requests: {{ $w.maxQueuedRequests | toJson }}
+        # cluster/serve_config.py HEALTH_CHECK_*: a dead engine is replaced within seconds.
+        health_check_period_s: 2.0
+        health_check_timeout_s: 5.0
         ray_actor_options:
           num_cpus: {{ $w.cpus | toJson }}
           num_gpus: {{ $w.gpus | toJson }}

@@ -1,0 +1,37 @@
+"""Serve replicas' inter-deployment gRPC server binds the node address, not every interface.
+
+Ray Serve 2.60 starts a gRPC server in every replica (`ReplicaActor._on_initialized`) on
+`[::]:0`, hard-coded, and serves requests to the replica on it without Ray's token check. Callers
+reach it at the replica's node IP (the router's `RunningReplicaInfo.node_ip`), so binding that
+address alone changes nothing for Serve and closes the port to other interfaces (on a local
+`logitpool serve` the node address is loopback). Called from our deployments' constructors,
+which run in the replica process before the server is started.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def bind_replica_grpc_to_node_ip() -> None:
+    try:
+        import ray
+        from ray.serve._private import replica
+    except ImportError:
+        return
+    original = getattr(replica, "add_port_to_grpc_server", None)
+    if original is None or getattr(original, "_logitpool", False):
+        return
+    node_ip = ray.util.get_node_ip_address()
+    host = f"[{node_ip}]" if ":" in node_ip else node_ip
+
+    def add_port(server: Any, address: str) -> int:
+        if address.startswith("[::]:"):
+            address = f"{host}:{address[5:]}"
+        return original(server, address)
+
+    add_port._logitpool = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = add_port

@@ -1,0 +1,183 @@
+"""Input hygiene without a cluster: the body checks, the request limits, the error shape, strict
+JSON out, and the lenient gRPC deserializer. The live HTTP/gRPC repros are in test_hardening."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from client.pb.logitpool.v1 import logitpool_pb2 as pb
+from cluster.config import LogitpoolConfig
+from cluster.errors import classify, error_body
+from cluster.grpc_servicers import MalformedRequest, _lenient
+from cluster.limits import Limits, PayloadTooLarge, check_request, json_depth_exceeds, parse_json
+from worker.sampling_params import SamplingParams
+
+LIMITS = Limits()
+BIG = Limits(**{name: 10**7 for name in Limits.model_fields if name.startswith("max_")})
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(message, name: str, payload: bytes) -> bytes:
+    """One length-delimited field of `message`'s type, encoded by hand."""
+    number = message.DESCRIPTOR.fields_by_name[name].number
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def deep_request_bytes(depth: int) -> bytes:
+    """A GenerateRequest whose extra_args["a"] is `depth` nested lists (protobuf would refuse to
+    build one this deep in memory, so it is encoded by hand)."""
+    value = pb.JsonValue(int_value=1).SerializeToString()
+    for _ in range(depth):
+        value = _field(pb.JsonValue, "list_value", _field(pb.JsonList, "values", value))
+    entry = _varint(1 << 3 | 2) + _varint(1) + b"a" + _varint(2 << 3 | 2) + _varint(len(value)) + value
+    params = _field(pb.SamplingParams, "extra_args", entry)
+    return _field(pb.GenerateRequest, "prompt", b"x") + _field(pb.GenerateRequest, "params", params)
+
+
+def _depth(value) -> int:
+    """Reference: nesting depth of a parsed JSON value."""
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='ab[]{}"\\,:'),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='k[]{"', max_size=3), inner, max_size=3),
+    max_leaves=30,
+)
+
+
+@given(json_values, st.integers(1, 8))
+def test_depth_scan_equals_the_parsed_depth(value, limit):
+    body = json.dumps(value).encode()
+    assert json_depth_exceeds(body, limit) == (_depth(value) > limit)
+
+
+def test_nesting_100k_deep_is_rejected_without_recursion():
+    for depth in (100_000, 500):
+        body = b'{"prompt":"x","vllm_xargs":' + b'{"a":' * depth + b"1" + b"}" * depth + b"}"
+        with pytest.raises(ValueError, match="limits.max_json_depth"):
+            parse_json(Limits(max_body_bytes=10 << 20), body)
+        body = b"[" * depth + b"]" * depth
+        with pytest.raises(ValueError, match="limits.max_json_depth"):
+            parse_json(Limits(max_body_bytes=10 << 20), body)
+    assert sys.getrecursionlimit() < 100_000
+
+
+def test_body_size_and_strict_json():
+    with pytest.raises(PayloadTooLarge, match="limits.max_body_bytes") as err:
+        parse_json(Limits(max_body_bytes=10), b'{"prompt": "0123456789"}')
+    assert classify(err.value).http == 413
+    for bad in (b'{"logit_bias": {"5": NaN}}', b'{"x": Infinity}', b'{"x": -Infinity}', b'{"x": 1e400}'):
+        with pytest.raises(ValueError, match="body"):
+            parse_json(LIMITS, bad)
+    with pytest.raises(ValueError, match="body: invalid JSON"):
+        parse_json(LIMITS, b"{not json")
+    with pytest.raises(ValueError, match="UTF-8"):
+        parse_json(LIMITS, b'{"prompt": "\xff"}')
+    assert parse_json(LIMITS, b'{"prompt": "[{\\"x"}') == {"prompt": '[{"x'}
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ('{"model": "\\ud800"}', "model"),
+    ('{"prompt": ["ok", "x\\udfff"]}', "prompt.1"),
+    ('{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
+    ('{"messages": [{"role": "\\udc00", "content": "x"}]}', "messages.0.role"),
+    ('{"bad_words": ["\\ud800"]}', "bad_words.0"),
+])
+def test_lone_surrogates_are_named(body, field):
+    with pytest.raises(ValueError, match="lone surrogate") as err:
+        parse_json(LIMITS, body.encode())
+    assert str(err.value).startswith(f"{field}: ")
+    assert error_body(classify(err.value))["error"]["param"] == field
+    # a proper pair is fine
+    assert parse_json(LIMITS, b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
+
+
+@pytest.mark.parametrize(("kw", "prompts", "limit"), [
+    ({"n": 2000}, 1, "max_n"),
+    ({}, 400, "max_prompts"),
+    ({"stop": ["s"] * 33}, 1, "max_stop"),
+    ({"stop": ["s" * 513]}, 1, "max_stop_chars"),
+    ({"bad_words": ["w"] * 33}, 1, "max_stop"),
+    ({"logit_bias": {i: 1.0 for i in range(1025)}}, 1, "max_logit_bias"),
+    ({"allowed_token_ids": list(range(LIMITS.max_allowed_token_ids + 1))}, 1, "max_allowed_token_ids"),
+    ({"extra_args": {f"k{i}": i for i in range(10_000)}}, 1, "max_extra_args_keys"),
+    ({"extra_args": {"a": "x" * 70_000}}, 1, "max_extra_args_bytes"),
+])
+def test_request_limits_name_the_limit(kw, prompts, limit):
+    params = SamplingParams(**kw)
+    with pytest.raises(ValueError, match=f"limits.{limit}") as err:
+        check_request(LIMITS, params, prompts)
+    status = classify(err.value)
+    assert status.http == 400 and status.grpc == grpc.StatusCode.INVALID_ARGUMENT
+    check_request(BIG, params, prompts)  # within larger limits
+
+
+def test_extra_args_depth_is_checked_without_recursion():
+    deep: dict = {}
+    node = deep
+    for _ in range(5000):
+        node["a"] = {}
+        node = node["a"]
+    with pytest.raises(ValueError, match="limits.max_extra_args_depth"):
+        check_request(LIMITS, SamplingParams(extra_args=deep), 1)
+    check_request(LIMITS, SamplingParams(extra_args={"a": {"b": [1, {"c": 2}]}}), 1)
+
+
+def test_limits_live_in_the_one_config():
+    cfg = LogitpoolConfig.model_validate({"limits": {"max_n": 4, "read_timeout_s": 2.5}})
+    assert cfg.limits.max_n == 4 and cfg.limits.max_body_bytes == Limits().max_body_bytes
+    with pytest.raises(ValueError, match="max_nn"):
+        LogitpoolConfig.model_validate({"limits": {"max_nn": 4}})
+    with pytest.raises(ValueError, match="max_n"):
+        LogitpoolConfig.model_validate({"limits": {"max_n": 0}})
+
+
+def test_error_body_is_openai_shaped():
+    body = error_body(classify(ValueError("n: 2000 completions exceeds limits.max_n (64)")))
+    assert set(body["error"]) == {"message", "type", "code", "param"}
+    assert body["error"]["param"] == "n" and body["error"]["code"] == 400
+    assert error_body(classify(ValueError("body: invalid JSON")))["error"]["param"] is None
+
+
+def test_responses_never_carry_nan_or_infinity():
+    from cluster.ingress import dumps
+
+    text = dumps({"logprob": -math.inf, "top": [math.nan, math.inf, 1.5], "ok": 2})
+    assert json.loads(text) == {"logprob": -9999.0, "top": [None, 9999.0, 1.5], "ok": 2}
+    assert "Infinity" not in text and "NaN" not in text
+
+
+def test_malformed_protobuf_becomes_a_malformed_request():
+    handler = grpc.unary_unary_rpc_method_handler(
+        lambda r, c: None, request_deserializer=pb.GenerateRequest.FromString,
+        response_serializer=pb.GenerateResponse.SerializeToString)
+    parse = _lenient(handler).request_deserializer
+    bad = parse(b"\xff\xff\xff\xff garbage")
+    assert isinstance(bad, MalformedRequest)
+    assert "logitpool.v1.GenerateRequest" in str(bad.error()) and "DecodeError" not in str(bad.error())
+    # nesting beyond protobuf's recursion limit is a decode error too
+    assert isinstance(parse(deep_request_bytes(200)), MalformedRequest)
+    shallow = parse(deep_request_bytes(10))
+    assert isinstance(shallow, pb.GenerateRequest) and shallow.params.extra_args["a"].HasField("list_value")
+    ok = parse(pb.GenerateRequest(prompt="hi").SerializeToString())
+    assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "hi"

@@ -1,0 +1,130 @@
+"""`logitpool serve` for real (a subprocess starting its own local Ray cluster — the one test
+that cannot use the session's cluster, since what it checks is how the CLI starts one): every
+listening socket of its whole process tree is on the chosen host (loopback), except the gRPC
+port, which Ray Serve 2.60's proxy binds on every interface; Ray token auth is on (RAY_AUTH_MODE
+is removed from the child's environment, which the test suite otherwise sets to `disabled`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.ray
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def _ip(hex_addr: str) -> str:
+    """An address of /proc/net/tcp{,6} ("0100007F" or 32 hex digits, little-endian words)."""
+    import ipaddress
+
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return f"::ffff:{ip.ipv4_mapped}"
+    return str(ip)
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[int, str, int]]:
+    """(pid, ip, port) of every TCP socket in LISTEN state owned by one of `pids`."""
+    listen: dict[str, tuple[str, int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A":  # TCP_LISTEN
+                addr, port = cols[1].split(":")
+                listen[cols[9]] = (_ip(addr), int(port, 16))
+    out = []
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listen:
+                out.append((pid, *listen[target[8:-1]]))
+    return out
+
+
+def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
+    http_port, grpc_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "LOGITPOOL_HTTP"))}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        lines = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        assert proc.poll() is None, "".join(lines)[-3000:]
+        assert f"[::]:{grpc_port}" in "".join(lines), "the banner must say gRPC listens on every interface"
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
+        sockets = listening_sockets(_descendants(proc.pid))
+        assert any(port == http_port for _, _, port in sockets)
+        exposed = [(pid, ip, port) for pid, ip, port in sockets if ip not in LOOPBACK]
+        assert {port for _, _, port in exposed} <= {grpc_port}, f"listening beyond loopback: {exposed}"
+        gcs_env = [
+            dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+            for pid in _descendants(proc.pid)
+            if b"gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(gcs_env) == 1 and gcs_env[0][b"RAY_AUTH_MODE"] == b"token"
+        token = Path(gcs_env[0][b"RAY_AUTH_TOKEN_PATH"].decode())
+        assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+        assert token.parent.stat().st_mode & 0o777 == 0o700
+        print(f"listening: {len(sockets)} sockets, beyond loopback: {exposed}")
+    finally:
+        started = _descendants(proc.pid) - {proc.pid}
+        proc.send_signal(signal.SIGINT)  # the CLI shuts Serve and its Ray cluster down
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        for pid in started:  # whatever this test's CLI started and left behind
+            try:
+                if b"ray" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert proc.returncode == 0
