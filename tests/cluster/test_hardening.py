@@ -204,6 +204,7 @@ def test_metrics_cover_the_whole_pool(base):
         assert name in text, name
 
 
+@pytest.mark.slow
 def test_slowloris_is_cut_off_while_others_are_served(base, app):
     """40 loopback sockets dribble headers or a body; each is closed within the read timeout
     (tests/conftest.py sets it), while normal requests keep being answered."""
@@ -262,6 +263,7 @@ def test_slowloris_is_cut_off_while_others_are_served(base, app):
 # -- engine death (last: it replaces the replica) -------------------------------------------
 
 
+@pytest.mark.slow
 def test_engine_death_makes_health_fail_until_a_replacement_serves(base, client):
     from ray import serve
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, free_port
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
