@@ -32,7 +32,7 @@ from cluster import grpc_service, pool_stats
 from cluster import limits as request_limits
 from cluster.auth import ApiKeys
 from cluster.config import LogitpoolConfig, worker_engine_config
-from cluster.errors import RequestFailed, Status, classify, error_body
+from cluster.errors import RequestFailed, Status, classify, error_body, replica_unavailable
 from cluster.limits import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from cluster.metrics import Metrics
 from cluster.openai_protocol import (
@@ -58,6 +58,10 @@ logger = logging.getLogger(__name__)
 
 # Upper bound on one request end to end; nothing waits forever.
 REQUEST_TIMEOUT_S = 600.0
+# Retries of a request whose worker replica was unavailable before it produced anything; the
+# backoff adds up to a few seconds, past the time a dead replica takes to leave the routers.
+REPLICA_RETRIES = 5
+REPLICA_RETRY_BACKOFF_S = 0.2
 
 api = FastAPI(title="logitpool", description="OpenAI-compatible completions over a logitpool worker pool")
 
@@ -173,25 +177,39 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         return [self.validator.tokenize(p) for p in prompts]
 
     async def stream_deltas(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Delta outputs from a worker; each wait bounded by the request timeout."""
-        gen = self.worker.options(method_name="generate", stream=True).remote(request_id, ids, params)
+        """Delta outputs from a worker; each wait bounded by the request timeout.
+
+        A replica that is gone or whose engine died before sending anything is not the
+        request's fault: the call is retried (REPLICA_RETRIES times) on whichever replica
+        Serve's router picks, since Serve takes a few health checks to stop routing to it.
+        """
         deadline = time.monotonic() + self.timeout_s
-        it = gen.__aiter__()
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(request_id)
-                try:
-                    delta = await asyncio.wait_for(it.__anext__(), remaining)
-                except StopAsyncIteration:
-                    return
-                for c in delta.outputs:
-                    if c.finish_reason == "error":
-                        raise RequestFailed(c.error or "request failed")
-                yield delta
-        finally:
-            gen.cancel()
+        for attempt in range(REPLICA_RETRIES + 1):
+            gen = self.worker.options(method_name="generate", stream=True).remote(request_id, ids, params)
+            it = gen.__aiter__()
+            started = False
+            try:
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(request_id)
+                    try:
+                        delta = await asyncio.wait_for(it.__anext__(), remaining)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        if started or attempt == REPLICA_RETRIES or not replica_unavailable(exc):
+                            raise
+                        logger.warning("request %s: worker replica unavailable (%r), retrying", request_id, exc)
+                        break
+                    started = True
+                    for c in delta.outputs:
+                        if c.finish_reason == "error":
+                            raise RequestFailed(c.error or "request failed")
+                    yield delta
+            finally:
+                gen.cancel()
+            await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * (attempt + 1))
 
     async def run(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestOutput:
         acc = OutputAccumulator()
