@@ -80,6 +80,22 @@ def is_json(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "code", "param"],
+        "properties": {
+            "message": {"type": "string"},
+            "type": {"type": "string"},
+            "code": {"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
+            "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        },
+    }},
+}
+
+
 def _openapi() -> dict[str, Any]:
     """FastAPI's document plus the request bodies (the routes read raw bytes, see _parse)."""
     if api.openapi_schema:
@@ -90,10 +106,19 @@ def _openapi() -> dict[str, Any]:
                                  ref_template="#/components/schemas/{model}")
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
     for path, model in bodies.items():
-        schema["paths"][path]["post"]["requestBody"] = {
+        op = schema["paths"][path]["post"]
+        op["requestBody"] = {
             "required": True,
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
         }
+        # `"stream": true` answers server-sent events instead of one JSON object.
+        op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    schema["components"]["schemas"]["ErrorResponse"] = _ERROR_SCHEMA
+    error = {"description": "Error (OpenAI's shape)",
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for methods in schema["paths"].values():
+        for op in methods.values():
+            op.setdefault("responses", {})["default"] = error
     api.openapi_schema = schema
     return schema
 

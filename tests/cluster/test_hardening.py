@@ -150,6 +150,10 @@ def test_openapi_declares_the_request_bodies(base):
     for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.endswith("/" + model) and "properties" in doc["components"]["schemas"][model]
+        assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"]
+    error = doc["components"]["schemas"]["ErrorResponse"]["properties"]["error"]
+    assert set(error["required"]) == {"message", "type", "code", "param"}
+    assert all("default" in op["responses"] for methods in doc["paths"].values() for op in methods.values())
 
 
 # -- gRPC ------------------------------------------------------------------------------------
