@@ -58,6 +58,7 @@ def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monke
     assert all(t.stat().st_mode & 0o777 == 0o600 and t.parent.stat().st_mode & 0o777 == 0o700 for t in tokens)
     assert first["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "cluster.slow_clients:install"
     assert float(first["LOGITPOOL_HTTP_READ_TIMEOUT_S"]) == cfg.limits.read_timeout_s
+    assert int(first["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == 64 << 20
     wide = local_cluster_env(build_config(parse("--host", "0.0.0.0")), tmp_path)
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in wide and wide["RAY_AUTH_MODE"] == "token"
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # honoured (the test suite's own clusters), warned about
