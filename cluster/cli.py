@@ -13,6 +13,9 @@ from typing import Any
 
 READY_TIMEOUT_S = 600.0
 LOCAL_NUM_CPUS = 8
+# Largest gRPC message Serve's proxy takes or sends; requests past limits.max_body_bytes are
+# rejected anyway, responses (logprobs of long generations) need more room.
+GRPC_MAX_MESSAGE_BYTES = 64 << 20
 
 
 def _serve_parser(sub: Any) -> None:
@@ -70,11 +73,13 @@ def local_cluster_env(cfg: Any, token_dir: Path | None = None) -> dict[str, str]
     - Token authentication on (RAY_AUTH_MODE=token) with a fresh random token per start, in a
       file only this user can read; RAY_AUTH_MODE=disabled set by the caller is respected (the
       test suite does, for its own clusters) and warned about.
-    - Serve's HTTP proxy gets the request read timeout (cluster.slow_clients).
+    - Serve's HTTP proxy gets the request read timeout (cluster.slow_clients), and its gRPC proxy
+      a message size bound (Serve's default is 2 GiB, parsed in memory before any check of ours).
     """
     from cluster.slow_clients import proxy_env
 
     env = dict(proxy_env(cfg.limits.read_timeout_s))
+    env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(GRPC_MAX_MESSAGE_BYTES)
     if cfg.server.host in ("127.0.0.1", "localhost", "::1"):
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":

@@ -38,6 +38,16 @@ def _validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+_UNAVAILABLE = (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError, EngineDeadError)
+
+
+def replica_unavailable(exc: BaseException) -> bool:
+    """The worker replica cannot serve (dead actor or dead engine): another replica may."""
+    if isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None:
+        exc = exc.cause
+    return isinstance(exc, _UNAVAILABLE)
+
+
 def classify(exc: BaseException) -> Status:
     if isinstance(exc, RayTaskError):
         cause = exc.cause if getattr(exc, "cause", None) is not None else None
@@ -51,8 +61,7 @@ def classify(exc: BaseException) -> Status:
         return Status(getattr(exc, "http_status", 400), grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_request_error")
     if isinstance(exc, BackPressureError):
         return Status(503, grpc.StatusCode.RESOURCE_EXHAUSTED, "server overloaded, retry later", "overloaded")
-    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError,
-                        EngineDeadError)):
+    if isinstance(exc, _UNAVAILABLE):
         return Status(503, grpc.StatusCode.UNAVAILABLE, "worker unavailable, retry", "unavailable")
     if isinstance(exc, TimeoutError):
         return Status(504, grpc.StatusCode.DEADLINE_EXCEEDED, "request timed out", "timeout")

@@ -8,31 +8,25 @@ worker. Valid ones stream from a worker replica chosen by Serve's router.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic.json_schema import models_json_schema
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
 from cluster import grpc_service, pool_stats
 from cluster import limits as request_limits
 from cluster.auth import ApiKeys
 from cluster.config import LogitpoolConfig, worker_engine_config
-from cluster.errors import RequestFailed, Status, classify, error_body
+from cluster.errors import RequestFailed, Status, classify, error_body, replica_unavailable
+from cluster.http_app import StrictJSONResponse, api, is_json, sse, status_response
 from cluster.limits import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from cluster.metrics import Metrics
 from cluster.openai_protocol import (
@@ -58,87 +52,10 @@ logger = logging.getLogger(__name__)
 
 # Upper bound on one request end to end; nothing waits forever.
 REQUEST_TIMEOUT_S = 600.0
-
-api = FastAPI(title="logitpool", description="OpenAI-compatible completions over a logitpool worker pool")
-
-# Stands in for -inf / +inf if one ever reaches the wire (the engine floors logprobs the same way).
-_FLOOR = 9999.0
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else math.copysign(_FLOOR, obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def dumps(obj: Any) -> str:
-    """Strict JSON: never NaN/Infinity (those are not JSON); a non-finite float is mapped first."""
-    try:
-        return json.dumps(obj, allow_nan=False, separators=(",", ":"))
-    except ValueError:
-        return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":"))
-
-
-class StrictJSONResponse(JSONResponse):
-    def render(self, content: Any) -> bytes:
-        return dumps(content).encode("utf-8")
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
-
-
-def _status_response(status: Status, headers: dict[str, str] | None = None) -> JSONResponse:
-    return StrictJSONResponse(error_body(status), status_code=status.http, headers=headers)
-
-
-# Errors raised by the framework itself (unknown path, wrong method, ...) get the same JSON shape.
-@api.exception_handler(StarletteHTTPException)
-async def _framework_error(request: Request, exc: StarletteHTTPException) -> Response:
-    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _status_response(Status(exc.status_code, grpc.StatusCode.UNKNOWN, message, kind),
-                            headers=getattr(exc, "headers", None))
-
-
-@api.exception_handler(RequestValidationError)
-async def _request_validation_error(request: Request, exc: RequestValidationError) -> Response:
-    return _status_response(classify(ValueError(str(exc.errors()[:3]))))
-
-
-@api.exception_handler(Exception)
-async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    return _status_response(classify(exc))
-
-
-def _is_json(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or media.endswith("+json")
-
-
-def _openapi() -> dict[str, Any]:
-    """FastAPI's document plus the request bodies (the routes read raw bytes, see _parse)."""
-    if api.openapi_schema:
-        return api.openapi_schema
-    schema = get_openapi(title=api.title, version="1.0.0", description=api.description, routes=api.routes)
-    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-    _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
-                                 ref_template="#/components/schemas/{model}")
-    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
-    for path, model in bodies.items():
-        schema["paths"][path]["post"]["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
-        }
-    api.openapi_schema = schema
-    return schema
-
-
-api.openapi = _openapi  # type: ignore[method-assign]
+# Retries of a request whose worker replica was unavailable before it produced anything; the
+# backoff adds up to a few seconds, past the time a dead replica takes to leave the routers.
+REPLICA_RETRIES = 5
+REPLICA_RETRY_BACKOFF_S = 0.2
 
 
 class LogitpoolIngress(grpc_service.GrpcMethods):
@@ -173,25 +90,39 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         return [self.validator.tokenize(p) for p in prompts]
 
     async def stream_deltas(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Delta outputs from a worker; each wait bounded by the request timeout."""
-        gen = self.worker.options(method_name="generate", stream=True).remote(request_id, ids, params)
+        """Delta outputs from a worker; each wait bounded by the request timeout.
+
+        A replica that is gone or whose engine died before sending anything is not the
+        request's fault: the call is retried (REPLICA_RETRIES times) on whichever replica
+        Serve's router picks, since Serve takes a few health checks to stop routing to it.
+        """
         deadline = time.monotonic() + self.timeout_s
-        it = gen.__aiter__()
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(request_id)
-                try:
-                    delta = await asyncio.wait_for(it.__anext__(), remaining)
-                except StopAsyncIteration:
-                    return
-                for c in delta.outputs:
-                    if c.finish_reason == "error":
-                        raise RequestFailed(c.error or "request failed")
-                yield delta
-        finally:
-            gen.cancel()
+        for attempt in range(REPLICA_RETRIES + 1):
+            gen = self.worker.options(method_name="generate", stream=True).remote(request_id, ids, params)
+            it = gen.__aiter__()
+            started = False
+            try:
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(request_id)
+                    try:
+                        delta = await asyncio.wait_for(it.__anext__(), remaining)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        if started or attempt == REPLICA_RETRIES or not replica_unavailable(exc):
+                            raise
+                        logger.warning("request %s: worker replica unavailable (%r), retrying", request_id, exc)
+                        break
+                    started = True
+                    for c in delta.outputs:
+                        if c.finish_reason == "error":
+                            raise RequestFailed(c.error or "request failed")
+                    yield delta
+            finally:
+                gen.cancel()
+            await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * (attempt + 1))
 
     async def run(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestOutput:
         acc = OutputAccumulator()
@@ -217,12 +148,12 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
     def _error(self, exc: BaseException, protocol: str = "http") -> JSONResponse:
         status = classify(exc)
         self._count_error(status, protocol)
-        return _status_response(status)
+        return status_response(status)
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, bounded in size (limits.max_body_bytes) and in time (limits.read_timeout_s)."""
         content_type = request.headers.get("content-type")
-        if content_type is not None and not _is_json(content_type):
+        if content_type is not None and not is_json(content_type):
             raise UnsupportedMediaType(f"content-type: {content_type[:64]!r} is not supported, send application/json")
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length", "")
@@ -294,13 +225,13 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                 if isinstance(item, BaseException):
                     status = classify(item)
                     self._count_error(status, "http")
-                    yield _sse(error_body(status))
+                    yield sse(error_body(status))
                     return
                 for c in item.outputs:
                     n_tokens += len(c.token_ids)
-                    yield _sse(completion_chunk(rid, model, c, self.decode_token, i * params.n, body.return_token_ids))
+                    yield sse(completion_chunk(rid, model, c, self.decode_token, i * params.n, body.return_token_ids))
             if body.include_usage:
-                yield _sse(usage_chunk(rid, model, "text_completion", usage(sum(map(len, prompts)), n_tokens)))
+                yield sse(usage_chunk(rid, model, "text_completion", usage(sum(map(len, prompts)), n_tokens)))
             self.metrics.request("http", 200, tokens=n_tokens)
             yield "data: [DONE]\n\n"
         finally:
@@ -338,16 +269,16 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
             async for delta in self.stream_deltas(rid, ids, params):
                 for c in delta.outputs:
                     n_tokens += len(c.token_ids)
-                    yield _sse(chat_chunk(rid, model, c, self.decode_token, top_n, c.index not in first,
+                    yield sse(chat_chunk(rid, model, c, self.decode_token, top_n, c.index not in first,
                                           body.return_token_ids))
                     first.add(c.index)
         except Exception as exc:
             status = classify(exc)
             self._count_error(status, "http")
-            yield _sse(error_body(status))
+            yield sse(error_body(status))
             return
         if body.include_usage:
-            yield _sse(usage_chunk(rid, model, "chat.completion.chunk", usage(len(ids), n_tokens)))
+            yield sse(usage_chunk(rid, model, "chat.completion.chunk", usage(len(ids), n_tokens)))
         self.metrics.request("http", 200, tokens=n_tokens)
         yield "data: [DONE]\n\n"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import time
 from typing import Any
 
@@ -27,9 +28,22 @@ def _prefix(app: str) -> str:
     return f"pool/{app}/"
 
 
+def _number(value: Any) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
 def snapshot(stats: Any, **extra: Any) -> dict[str, Any]:
-    """A JSON-able snapshot of an EngineStats, stamped with wall-clock time."""
-    return {**dataclasses.asdict(stats), **extra, "time": time.time()}
+    """A JSON-able snapshot of an EngineStats, stamped with wall-clock time. Only finite numbers
+    of `kv` are kept: whatever an engine puts there, publishing (hence health) cannot fail on it."""
+    snap = {**dataclasses.asdict(stats), **extra, "time": time.time()}
+    kv = {str(k): _number(v) for k, v in (snap.get("kv") or {}).items()}
+    snap["kv"] = {k: v for k, v in kv.items() if v is not None}
+    snap["finished"] = {str(k): int(v) for k, v in (snap.get("finished") or {}).items()}
+    return snap
 
 
 async def _kv(fn: Any, *args: Any, **kw: Any) -> Any:

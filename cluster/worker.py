@@ -31,6 +31,10 @@ _SEEN_IDS = 10_000
 _STREAMS_PER_INTERVAL = 16
 # Test-only hooks (kill the engine loop) exist only when this is set in the replica's environment.
 DEBUG_ENV = "LOGITPOOL_DEBUG_HOOKS"
+# A replica whose engine loop died exits this long after noticing (time for the failed requests'
+# errors to reach the ingress): routers then see the actor gone and stop sending to it at once,
+# and Serve starts a replacement without waiting for three failed health checks.
+EXIT_DELAY_S = 0.5
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class LogitpoolWorker:
         self._seen: collections.deque[str] = collections.deque(maxlen=_SEEN_IDS)
         self._num_requests = 0
         self._publisher: asyncio.Task[None] | None = None
+        self._leaving = False
 
     async def generate(
         self, request_id: str, prompt: list[int] | str, params: SamplingParams
@@ -55,6 +60,7 @@ class LogitpoolWorker:
         the request finishes), so the replica's message rate stays bounded however many
         streams it runs — otherwise more streams mean slower steps, hence less merging.
         """
+        self._leave_if_dead()
         self._seen.append(request_id)
         self._num_requests += 1
         window = OutputAccumulator()  # the deltas not sent yet, merged
@@ -105,8 +111,16 @@ class LogitpoolWorker:
         as the engine loop is dead or stalled, so Serve replaces the replica within seconds."""
         if self._publisher is None or self._publisher.done():
             self._publisher = asyncio.create_task(self._publish_forever())
-        if not self.engine.healthy():
+        self._leave_if_dead()
+        if not self.engine.healthy():  # stalled: Serve replaces the replica after a few failed checks
             raise RuntimeError(f"engine loop not healthy: {self.engine.dead!r}")
+
+    def _leave_if_dead(self) -> None:
+        """An engine loop that died is gone for good: end this replica's process shortly."""
+        if self.engine.dead is not None and not self._leaving:
+            self._leaving = True
+            logger.error("engine loop died (%r); this replica exits in %.1fs", self.engine.dead, EXIT_DELAY_S)
+            asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
 
     def debug_kill_engine(self) -> float:
         """Test-only: make the engine loop die as a real step failure would; returns the time.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,22 @@ def test_joining_a_cluster_defaults_to_one_gpu_per_replica(tmp_path):
 def test_bad_flags_fail_with_the_field_named():
     with pytest.raises(ValueError, match="grpc_port"):
         build_config(parse("--http-port", "9000", "--grpc-port", "9000"))
+
+
+def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monkeypatch):
+    from cluster.cli import local_cluster_env
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    cfg = build_config(parse())
+    first, second = local_cluster_env(cfg, tmp_path), local_cluster_env(cfg, tmp_path)
+    assert first["RAY_AUTH_MODE"] == "token" and first["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    tokens = [Path(env["RAY_AUTH_TOKEN_PATH"]) for env in (first, second)]
+    assert tokens[0].read_text() != tokens[1].read_text() and len(tokens[0].read_text()) == 64
+    assert all(t.stat().st_mode & 0o777 == 0o600 and t.parent.stat().st_mode & 0o777 == 0o700 for t in tokens)
+    assert first["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "cluster.slow_clients:install"
+    assert float(first["LOGITPOOL_HTTP_READ_TIMEOUT_S"]) == cfg.limits.read_timeout_s
+    assert int(first["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == 64 << 20
+    wide = local_cluster_env(build_config(parse("--host", "0.0.0.0")), tmp_path)
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in wide and wide["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # honoured (the test suite's own clusters), warned about
+    assert "RAY_AUTH_MODE" not in local_cluster_env(cfg, tmp_path)

@@ -160,7 +160,7 @@ def test_error_body_is_openai_shaped():
 
 
 def test_responses_never_carry_nan_or_infinity():
-    from cluster.ingress import dumps
+    from cluster.http_app import dumps
 
     text = dumps({"logprob": -math.inf, "top": [math.nan, math.inf, 1.5], "ok": 2})
     assert json.loads(text) == {"logprob": -9999.0, "top": [None, 9999.0, 1.5], "ok": 2}
@@ -181,3 +181,43 @@ def test_malformed_protobuf_becomes_a_malformed_request():
     assert isinstance(shallow, pb.GenerateRequest) and shallow.params.extra_args["a"].HasField("list_value")
     ok = parse(pb.GenerateRequest(prompt="hi").SerializeToString())
     assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "hi"
+
+
+def test_pool_snapshots_are_json_whatever_the_engine_reports():
+    import torch
+
+    from cluster import pool_stats
+    from worker.async_engine import EngineStats
+
+    stats = EngineStats(alive=True, heartbeat_age_s=0.1, num_running=2, num_waiting=1, finished={"stop": 3},
+                        restarts=1, kv={"blocks_used": torch.tensor(7), "hit_rate": float("nan"), "name": "x"})
+    snap = json.loads(json.dumps(pool_stats.snapshot(stats, kv_cache_bytes=1024), allow_nan=False))
+    assert snap["kv"] == {"blocks_used": 7.0} and snap["finished"] == {"stop": 3} and snap["kv_cache_bytes"] == 1024
+    assert pool_stats.any_alive([snap]) and not pool_stats.any_alive([{**snap, "alive": False}])
+
+
+def test_metrics_sum_the_pool_and_keep_per_replica_kv():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.metrics import Metrics
+
+    pool = [
+        {"replica_id": "a", "alive": True, "num_running": 2, "num_waiting": 1, "finished": {"stop": 3, "error": 1},
+         "restarts": 1, "kv": {"blocks_used": 5.0}, "kv_cache_bytes": 100, "heartbeat_age_s": 0.2},
+        {"replica_id": "b", "alive": False, "num_running": 1, "num_waiting": 0, "finished": {"stop": 4, "abort": 2},
+         "restarts": 0, "kv": {}, "kv_cache_bytes": 50, "heartbeat_age_s": 70.0},
+    ]
+    m = Metrics()
+    m.reject("http", 413)
+    body, _ = m.render(pool)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    assert samples[("logitpool_worker_replicas", (("state", "alive"),))] == 1
+    assert samples[("logitpool_worker_replicas", (("state", "dead"),))] == 1
+    assert samples[("logitpool_running_sequences", ())] == 3 and samples[("logitpool_waiting_sequences", ())] == 1
+    assert samples[("logitpool_sequences_finished_total", (("reason", "stop"),))] == 7
+    assert samples[("logitpool_sequences_finished_total", (("reason", "abort"),))] == 2
+    assert samples[("logitpool_engine_restarts_total", ())] == 1
+    assert samples[("logitpool_kv_cache", (("replica", "a"), ("stat", "blocks_used")))] == 5
+    assert samples[("logitpool_kv_cache", (("replica", "b"), ("stat", "bytes")))] == 50
+    assert samples[("logitpool_requests_rejected_total", (("protocol", "http"), ("status", "413")))] == 1

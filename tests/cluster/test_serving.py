@@ -355,3 +355,22 @@ def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
     assert all(o[2] - killed_at < 10 for o in failed), "requests on the dead replica must fail fast"
     with Client(target, timeout=60, max_retries=5, backoff=0.5) as c:
         assert len(c.generate("after", max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_requests_avoid_a_replica_whose_engine_died(serving):
+    """Two replicas, one engine dies (test-only hook): that replica exits at once and the ingress
+    retries whatever it had not started on the other one, so no new request fails."""
+    deadline = time.monotonic() + 120
+    while len(worker_infos(8)) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    infos = worker_infos(8)
+    assert len(infos) == 2
+    victim = worker_handle().debug_kill_engine.remote().result(timeout_s=30)
+    assert victim > 0
+    base = f"http://127.0.0.1:{serving.server.http_port}"
+    codes = []
+    with Client(f"127.0.0.1:{serving.server.grpc_port}", timeout=60, max_retries=0) as c:
+        for i in range(12):
+            codes.append(httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code)
+            codes.append(len(c.generate("x", max_tokens=2, ignore_eos=True).token_ids))
+    assert codes == [200, 2] * 12

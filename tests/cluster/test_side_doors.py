@@ -16,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from client import Client
 from tests.conftest import REPO_ROOT, free_port
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
@@ -99,6 +100,8 @@ def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
         assert f"[::]:{grpc_port}" in "".join(lines), "the banner must say gRPC listens on every interface"
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
+        with Client(f"127.0.0.1:{grpc_port}", timeout=60) as c:
+            assert c.health() and len(c.generate("x", max_tokens=2, ignore_eos=True).token_ids) == 2
         sockets = listening_sockets(_descendants(proc.pid))
         assert any(port == http_port for _, _, port in sockets)
         exposed = [(pid, ip, port) for pid, ip, port in sockets if ip not in LOOPBACK]

@@ -49,6 +49,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   value: cluster.slow_clients:install
 - name: LOGITPOOL_HTTP_READ_TIMEOUT_S
   value: {{ .Values.limits.read_timeout_s | toString | quote }}
+# Serve's gRPC proxy parses messages up to this size (its default is 2 GiB); cluster/cli.py likewise.
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: "67108864"
 {{- if eq .Values.ray.authMode "disabled" }}
 # Ray >= 2.60 turns token auth on by default for a fresh cluster; say "disabled" explicitly.
 - name: RAY_AUTH_MODE
