@@ -34,6 +34,7 @@ import torch
 
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import LogitsProcessor
+from worker.ops.blocks import block_reduce, block_size
 from worker.ops.draw import draw_rows, draw_weights, row_block_sums, row_total, uniforms
 from worker.ops.logprobs import sampled_logprob_and_rank, to_logprobs_
 from worker.ops.plan import SamplingPlan, build_plan
@@ -161,15 +162,16 @@ def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def resolve_non_finite_(x: torch.Tensor) -> torch.Tensor | None:
+def resolve_non_finite_(x: torch.Tensor, bmax: torch.Tensor | None = None) -> torch.Tensor | None:
     """SPEC §2.4 non-finite rules, in place on the rows that need them; [B] bool NaN rows or None.
 
     A row holding ``+inf`` becomes 0 at its ``+inf`` tokens and -inf elsewhere (the limit of
     softmax: greedy takes the lowest such id, a draw is uniform among them). A row holding NaN
     becomes all zeros (a harmless stand-in: its token is discarded) and is flagged. Cost in the
-    common case: one row-max pass (NaN propagates through ``amax``) and one host read.
+    common case: the row maxima (from the block maxima ``bmax`` when given: NaN propagates
+    through ``amax``) and one host read. A None return leaves ``x`` (and ``bmax``) untouched.
     """
-    m = x.amax(-1)
+    m = (bmax if bmax is not None else x).amax(-1)
     special = torch.isnan(m) | torch.isposinf(m)
     if not bool(special.any()):
         return None
@@ -229,11 +231,15 @@ class Sampler:
             pristine = logits
         raw = self._keep_raw(x, plan, ws, host)  # 1 (reads the float32 logits before any write)
         x = self._before_sampling(x, metadata)  # 3-6
-        nan_rows = resolve_non_finite_(x)
+        # Block maxima: the non-finite check reads them, and greedy rows reuse them for argmax.
+        bmax = block_reduce(x, block_size(x.shape[1]), "amax")
+        nan_rows = resolve_non_finite_(x, bmax)
+        if nan_rows is not None:
+            bmax = None  # rows were rewritten
 
         tokens = torch.full((plan.batch_size,), -1, dtype=torch.int64, device=x.device)
         ok = torch.ones(plan.batch_size, dtype=torch.bool, device=x.device)
-        greedy_processed = self._greedy(x, plan, ws, tokens, ok)  # 7
+        greedy_processed = self._greedy(x, plan, ws, tokens, ok, bmax)  # 7
         drawn = None
         if not plan.all_greedy:
             x = self._temperature_and_invariant(x, plan)  # 7a-7b
@@ -335,17 +341,26 @@ class Sampler:
     # -- step 7 ----------------------------------------------------------------------------
 
     def _greedy(
-        self, x: torch.Tensor, plan: SamplingPlan, ws: Workspace, tokens: torch.Tensor, ok: torch.Tensor
+        self,
+        x: torch.Tensor,
+        plan: SamplingPlan,
+        ws: Workspace,
+        tokens: torch.Tensor,
+        ok: torch.Tensor,
+        bmax: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Greedy tokens into ``tokens``/``ok``; returns the processed-logits snapshot of greedy rows."""
+        """Greedy tokens into ``tokens``/``ok``; returns the processed-logits snapshot of greedy rows.
+
+        ``bmax``: the block maxima of ``x`` when the caller has them (saves the argmax its read pass).
+        """
         if not len(plan.greedy):
             return None
         g = plan.greedy.index
         if 3 * len(plan.greedy) < plan.batch_size:  # few greedy rows: gathering them beats a full read
             rows = torch.index_select(x, 0, g, out=ws.get("greedy_rows", (len(plan.greedy), x.shape[1]), x.dtype))
-            vals, ids = row_argmax(rows)
+            vals, ids = row_argmax(rows, None if bmax is None else bmax.index_select(0, g))
         else:
-            vals, ids = (t.index_select(0, g) for t in row_argmax(x))
+            vals, ids = (t.index_select(0, g) for t in row_argmax(x, bmax))
         tokens.index_copy_(0, g, ids)
         ok.index_copy_(0, g, torch.isfinite(vals))
         # Greedy rows' processed logits are fixed here: 7b must not change a greedy row's results.
