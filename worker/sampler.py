@@ -44,6 +44,7 @@ from worker.ops.workspace import Workspace
 from worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
+_POS_INF = float("inf")
 
 
 class ProcessorSet(Protocol):
@@ -79,7 +80,8 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64; -1 where errors
     logprobs: LogprobsTensors | None
     errors: torch.Tensor  # [B] bool: the row had no finite logit left, or held NaN
-    # Why each error row failed (host side, only error rows): all excluded, or NaN and its source.
+    # Why error rows failed (host side): NaN and its source, or every token excluded. A failed row
+    # missing here had every token excluded (NO_FINITE_LOGIT).
     error_messages: dict[int, str] = field(default_factory=dict)
 
 
@@ -171,10 +173,11 @@ def resolve_non_finite_(x: torch.Tensor, bmax: torch.Tensor | None = None) -> to
     common case: the row maxima (from the block maxima ``bmax`` when given: NaN propagates
     through ``amax``) and one host read. A None return leaves ``x`` (and ``bmax``) untouched.
     """
+    top = float((bmax if bmax is not None else x).max())  # NaN if any NaN, else inf if any +inf
+    if top == top and top != _POS_INF:
+        return None
     m = (bmax if bmax is not None else x).amax(-1)
     special = torch.isnan(m) | torch.isposinf(m)
-    if not bool(special.any()):
-        return None
     rows = special.nonzero().flatten()
     sub = x.index_select(0, rows)
     nan = torch.isnan(sub).any(-1)
@@ -248,7 +251,10 @@ class Sampler:
             ok &= ~nan_rows
         tokens = torch.where(ok, tokens, -1)
         logprobs = self._logprobs(x, plan, ws, host, tokens, raw, greedy_processed, drawn)  # 8
-        messages = {} if bool(ok.all()) else self._error_messages(ok, x, nan_rows, pristine, metadata, plan)
+        # Failed rows need a message beyond the default (every token excluded) only for NaN: from
+        # steps 3-6 (known here) or from an argmax-invariant processor (7b ran: look, one read).
+        may_nan = nan_rows is not None or (not plan.all_greedy and not bool(ok.all()))
+        messages = self._error_messages(ok, x, nan_rows, pristine, metadata, plan) if may_nan else {}
         return SamplerOutput(tokens, logprobs, ~ok, messages)  # 9
 
     def _before_sampling(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
