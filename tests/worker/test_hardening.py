@@ -321,7 +321,8 @@ def test_async_engine_stays_healthy_after_faults(tiny_model):
         innocent = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         results = await asyncio.wait_for(asyncio.gather(
             run("innocent", prompts[0], innocent),
-            *(run(f"bad{i}", prompts[1], SamplingParams(extra_args={"target_token": 5000}, **GREEDY)) for i in range(3)),
+            *(run(f"bad{i}", prompts[1], SamplingParams(extra_args={"target_token": 5000}, **GREEDY))
+              for i in range(3)),
         ), 120)
         assert results[0].finish_reason == "length"
         assert results[0].token_ids == solo(tiny_model, prompts[0], innocent)

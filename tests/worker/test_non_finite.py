@@ -82,7 +82,8 @@ def _forced(v: int, ids: list[int], n: int) -> torch.Tensor:
 
 
 def test_forced_greedy_takes_the_lowest_plus_inf_id() -> None:
-    out = sample([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, top_k=1)], _forced(300, [250, 17, 90], 2))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, top_k=1)]
+    out = sample(params, _forced(300, [250, 17, 90], 2))
     assert out.sampled_token_ids.tolist() == [17, 17]
 
 
