@@ -13,8 +13,9 @@
 8 logprobs: top-K of the row's source, the sampled token's logprob and 1-based rank
 9 return
 
-Non-finite logits, row by row (checked once after step 6 with one row-max pass and one host
-read; nothing more happens in the common all-finite case): a row holding ``+inf`` is forced,
+Non-finite logits, row by row (checked once after step 6 by ``ops.non_finite`` on the block
+maxima, which greedy argmax then reuses; one host read, nothing more in the common all-finite
+case): a row holding ``+inf`` is forced,
 its ``+inf`` tokens become 0 and every other token -inf, so greedy takes the lowest such id and
 a draw is uniform among them; a row holding NaN fails. A row left with no finite logit (or NaN)
 gets ``errors[row] = True``, token -1 and a message in ``error_messages``; the others are not
@@ -37,6 +38,7 @@ from worker.logits_processor.interface import LogitsProcessor
 from worker.ops.blocks import block_reduce, block_size
 from worker.ops.draw import draw_rows, draw_weights, row_block_sums, row_total, uniforms
 from worker.ops.logprobs import sampled_logprob_and_rank, to_logprobs_
+from worker.ops.non_finite import resolve_non_finite_
 from worker.ops.plan import SamplingPlan, build_plan
 from worker.ops.select import ambiguous, resolve_topk, row_argmax, sort_by_value_then_id, topk_candidates
 from worker.ops.topk_topp import top_p_histogram_, top_p_keep, top_p_probe
@@ -44,7 +46,6 @@ from worker.ops.workspace import Workspace
 from worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
-_POS_INF = float("inf")
 
 
 class ProcessorSet(Protocol):
@@ -162,30 +163,6 @@ def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
     if out is not logits:
         out = out.to(torch.float32).contiguous()
     return out
-
-
-def resolve_non_finite_(x: torch.Tensor, bmax: torch.Tensor | None = None) -> torch.Tensor | None:
-    """SPEC §2.4 non-finite rules, in place on the rows that need them; [B] bool NaN rows or None.
-
-    A row holding ``+inf`` becomes 0 at its ``+inf`` tokens and -inf elsewhere (the limit of
-    softmax: greedy takes the lowest such id, a draw is uniform among them). A row holding NaN
-    becomes all zeros (a harmless stand-in: its token is discarded) and is flagged. Cost in the
-    common case: the row maxima (from the block maxima ``bmax`` when given: NaN propagates
-    through ``amax``) and one host read. A None return leaves ``x`` (and ``bmax``) untouched.
-    """
-    top = float((bmax if bmax is not None else x).max())  # NaN if any NaN, else inf if any +inf
-    if top == top and top != _POS_INF:
-        return None
-    m = (bmax if bmax is not None else x).amax(-1)
-    special = torch.isnan(m) | torch.isposinf(m)
-    rows = special.nonzero().flatten()
-    sub = x.index_select(0, rows)
-    nan = torch.isnan(sub).any(-1)
-    forced = torch.where(torch.isposinf(sub), 0.0, _NEG_INF)
-    x.index_copy_(0, rows, torch.where(nan[:, None], 0.0, forced))
-    nan_rows = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    nan_rows[rows] = nan
-    return nan_rows
 
 
 def _order_by_prob(q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
