@@ -416,8 +416,10 @@ class LLMEngine:
         self.num_restarts += 1
         if not survivors:
             return []
-        self.batch.carry_generators({r.request_id: generators[r.request_id] for r in survivors if r.request_id in generators})
-        update = self.batch.update([], [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in survivors])
+        ids = {r.request_id for r in survivors}
+        self.batch.carry_generators({rid: gen for rid, gen in generators.items() if rid in ids})
+        rejoin = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in survivors]
+        update = self.batch.update([], rejoin)
         try:
             self.processors.update_state(update)
         except ProcessorError as exc:  # another culprit among the survivors: isolate it too

@@ -13,8 +13,9 @@
 8 logprobs: top-K of the row's source, the sampled token's logprob and 1-based rank
 9 return
 
-Non-finite logits, row by row (checked once after step 6 with one row-max pass and one host
-read; nothing more happens in the common all-finite case): a row holding ``+inf`` is forced,
+Non-finite logits, row by row (checked once after step 6 by ``ops.non_finite`` on the block
+maxima, which greedy argmax then reuses; one host read, nothing more in the common all-finite
+case): a row holding ``+inf`` is forced,
 its ``+inf`` tokens become 0 and every other token -inf, so greedy takes the lowest such id and
 a draw is uniform among them; a row holding NaN fails. A row left with no finite logit (or NaN)
 gets ``errors[row] = True``, token -1 and a message in ``error_messages``; the others are not
@@ -34,8 +35,10 @@ import torch
 
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import LogitsProcessor
+from worker.ops.blocks import block_reduce, block_size
 from worker.ops.draw import draw_rows, draw_weights, row_block_sums, row_total, uniforms
 from worker.ops.logprobs import sampled_logprob_and_rank, to_logprobs_
+from worker.ops.non_finite import resolve_non_finite_
 from worker.ops.plan import SamplingPlan, build_plan
 from worker.ops.select import ambiguous, resolve_topk, row_argmax, sort_by_value_then_id, topk_candidates
 from worker.ops.topk_topp import top_p_histogram_, top_p_keep, top_p_probe
@@ -78,7 +81,8 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64; -1 where errors
     logprobs: LogprobsTensors | None
     errors: torch.Tensor  # [B] bool: the row had no finite logit left, or held NaN
-    # Why each error row failed (host side, only error rows): all excluded, or NaN and its source.
+    # Why error rows failed (host side): NaN and its source, or every token excluded. A failed row
+    # missing here had every token excluded (NO_FINITE_LOGIT).
     error_messages: dict[int, str] = field(default_factory=dict)
 
 
@@ -161,28 +165,6 @@ def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def resolve_non_finite_(x: torch.Tensor) -> torch.Tensor | None:
-    """SPEC §2.4 non-finite rules, in place on the rows that need them; [B] bool NaN rows or None.
-
-    A row holding ``+inf`` becomes 0 at its ``+inf`` tokens and -inf elsewhere (the limit of
-    softmax: greedy takes the lowest such id, a draw is uniform among them). A row holding NaN
-    becomes all zeros (a harmless stand-in: its token is discarded) and is flagged. Cost in the
-    common case: one row-max pass (NaN propagates through ``amax``) and one host read.
-    """
-    m = x.amax(-1)
-    special = torch.isnan(m) | torch.isposinf(m)
-    if not bool(special.any()):
-        return None
-    rows = special.nonzero().flatten()
-    sub = x.index_select(0, rows)
-    nan = torch.isnan(sub).any(-1)
-    forced = torch.where(torch.isposinf(sub), 0.0, _NEG_INF)
-    x.index_copy_(0, rows, torch.where(nan[:, None], 0.0, forced))
-    nan_rows = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    nan_rows[rows] = nan
-    return nan_rows
-
-
 def _order_by_prob(q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Permutation putting candidates in top-p order: probability desc, id asc."""
     o1 = torch.argsort(ids, dim=-1, stable=True)
@@ -229,11 +211,15 @@ class Sampler:
             pristine = logits
         raw = self._keep_raw(x, plan, ws, host)  # 1 (reads the float32 logits before any write)
         x = self._before_sampling(x, metadata)  # 3-6
-        nan_rows = resolve_non_finite_(x)
+        # Block maxima: the non-finite check reads them, and greedy rows reuse them for argmax.
+        bmax = block_reduce(x, block_size(x.shape[1]), "amax")
+        nan_rows = resolve_non_finite_(x, bmax)
+        if nan_rows is not None:
+            bmax = None  # rows were rewritten
 
         tokens = torch.full((plan.batch_size,), -1, dtype=torch.int64, device=x.device)
         ok = torch.ones(plan.batch_size, dtype=torch.bool, device=x.device)
-        greedy_processed = self._greedy(x, plan, ws, tokens, ok)  # 7
+        greedy_processed = self._greedy(x, plan, ws, tokens, ok, bmax)  # 7
         drawn = None
         if not plan.all_greedy:
             x = self._temperature_and_invariant(x, plan)  # 7a-7b
@@ -242,7 +228,10 @@ class Sampler:
             ok &= ~nan_rows
         tokens = torch.where(ok, tokens, -1)
         logprobs = self._logprobs(x, plan, ws, host, tokens, raw, greedy_processed, drawn)  # 8
-        messages = {} if bool(ok.all()) else self._error_messages(ok, x, nan_rows, pristine, metadata, plan)
+        # Failed rows need a message beyond the default (every token excluded) only for NaN: from
+        # steps 3-6 (known here) or from an argmax-invariant processor (7b ran: look, one read).
+        may_nan = nan_rows is not None or (not plan.all_greedy and not bool(ok.all()))
+        messages = self._error_messages(ok, x, nan_rows, pristine, metadata, plan) if may_nan else {}
         return SamplerOutput(tokens, logprobs, ~ok, messages)  # 9
 
     def _before_sampling(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -335,17 +324,26 @@ class Sampler:
     # -- step 7 ----------------------------------------------------------------------------
 
     def _greedy(
-        self, x: torch.Tensor, plan: SamplingPlan, ws: Workspace, tokens: torch.Tensor, ok: torch.Tensor
+        self,
+        x: torch.Tensor,
+        plan: SamplingPlan,
+        ws: Workspace,
+        tokens: torch.Tensor,
+        ok: torch.Tensor,
+        bmax: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Greedy tokens into ``tokens``/``ok``; returns the processed-logits snapshot of greedy rows."""
+        """Greedy tokens into ``tokens``/``ok``; returns the processed-logits snapshot of greedy rows.
+
+        ``bmax``: the block maxima of ``x`` when the caller has them (saves the argmax its read pass).
+        """
         if not len(plan.greedy):
             return None
         g = plan.greedy.index
         if 3 * len(plan.greedy) < plan.batch_size:  # few greedy rows: gathering them beats a full read
             rows = torch.index_select(x, 0, g, out=ws.get("greedy_rows", (len(plan.greedy), x.shape[1]), x.dtype))
-            vals, ids = row_argmax(rows)
+            vals, ids = row_argmax(rows, None if bmax is None else bmax.index_select(0, g))
         else:
-            vals, ids = (t.index_select(0, g) for t in row_argmax(x))
+            vals, ids = (t.index_select(0, g) for t in row_argmax(x, bmax))
         tokens.index_copy_(0, g, ids)
         ok.index_copy_(0, g, torch.isfinite(vals))
         # Greedy rows' processed logits are fixed here: 7b must not change a greedy row's results.

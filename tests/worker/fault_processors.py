@@ -75,3 +75,15 @@ class ArmedUpdateStateProcessor(_PerRow):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
+
+
+class FlakyApplyProcessor(_PerRow):
+    """``apply`` raises once after the class is ``armed``: a fault no replay reproduces."""
+
+    armed = False
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if type(self).armed:
+            type(self).armed = False
+            raise RuntimeError("FlakyApplyProcessor: raised once")
+        return logits

@@ -8,7 +8,12 @@ import json
 
 import pytest
 from tests.fixtures.seed_processors import DummyLogitsProcessor, RaisingLogitsProcessor
-from tests.worker.fault_processors import ArmedUpdateStateProcessor, ForceTokensProcessor, NaNProcessor
+from tests.worker.fault_processors import (
+    ArmedUpdateStateProcessor,
+    FlakyApplyProcessor,
+    ForceTokensProcessor,
+    NaNProcessor,
+)
 from tests.worker.test_engine import make_llm, prompts_of
 from worker import AsyncEngine, SamplingParams
 from worker.async_engine import EngineDeadError
@@ -20,13 +25,18 @@ GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 _SOLO: dict[str, list[int]] = {}
+_SOLO_LLM: list = []
 
 
 def solo(loaded, prompt: list[int], params: SamplingParams) -> list[int]:
-    """The request run alone on a fresh engine (cached: the bystanders recur across tests)."""
+    """The request run alone (greedy or seeded, so one engine serves every solo run; cached:
+    the bystanders recur across tests)."""
+    assert params.is_greedy or params.seed is not None
     key = repr((prompt, params))
     if key not in _SOLO:
-        _SOLO[key] = make_llm(loaded).generate([prompt], params)[0].outputs[0].token_ids
+        if not _SOLO_LLM:
+            _SOLO_LLM.append(make_llm(loaded))
+        _SOLO[key] = _SOLO_LLM[0].generate([prompt], params)[0].outputs[0].token_ids
     return _SOLO[key]
 
 
@@ -151,10 +161,10 @@ def test_plus_inf_forces_a_token_greedy_and_random(tiny_model):
     force = {"force": [700, 33, 2100]}
     greedy = llm.generate([prompt], SamplingParams(extra_args=force, **GREEDY))[0].outputs[0]
     assert greedy.token_ids == [33] * 8
-    drawn = llm.generate([prompt], SamplingParams(extra_args=force, temperature=1.0, max_tokens=30,
+    drawn = llm.generate([prompt], SamplingParams(extra_args=force, temperature=1.0, max_tokens=16,
                                                   ignore_eos=True, seed=9))[0].outputs[0]
     assert drawn.finish_reason == "length" and set(drawn.token_ids) == {33, 700, 2100}
-    again = llm.generate([prompt], SamplingParams(extra_args=force, temperature=1.0, max_tokens=30,
+    again = llm.generate([prompt], SamplingParams(extra_args=force, temperature=1.0, max_tokens=16,
                                                   ignore_eos=True, seed=9))[0].outputs[0]
     assert again.token_ids == drawn.token_ids
 
@@ -280,6 +290,55 @@ def test_forward_failure_fails_its_rows_and_the_engine_goes_on(tiny_model):
     assert tokens == solo(tiny_model, prompts[0], SamplingParams(**GREEDY))
 
 
+def test_a_fault_no_replay_reproduces_fails_the_step_and_the_engine_goes_on(tiny_model):
+    """No row can be blamed: the rows of that step fail (as before isolation existed)."""
+    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False,
+                                    logits_processors=(FlakyApplyProcessor,)), loaded=tiny_model)
+    prompts = prompts_of(tiny_model, 2, seed=93)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(**GREEDY))
+    engine.step()
+    FlakyApplyProcessor.armed = True
+    finals = {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+    assert FlakyApplyProcessor.armed is False
+    assert sorted(finals) == ["r0", "r1"]
+    assert all(c.finish_reason == "error" and "FlakyApplyProcessor" in c.error for c in finals.values())
+    assert engine.num_restarts == 1
+    engine.add_request("after", prompts[0], SamplingParams(**GREEDY))
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    assert tokens == solo(tiny_model, prompts[0], SamplingParams(**GREEDY))
+
+
+class _NaNForward:
+    """Wraps the real runner's ``execute``: while two rows run, row 0's logits hold one NaN."""
+
+    def __init__(self, execute) -> None:
+        self.execute = execute
+
+    def __call__(self, seqs):
+        logits = self.execute(seqs)
+        if logits.shape[0] == 2:
+            logits[0, 7] = float("nan")
+        return logits
+
+
+def test_nan_from_the_model_is_named(tiny_model):
+    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    engine.runner.execute = _NaNForward(engine.runner.execute)
+    prompts = prompts_of(tiny_model, 2, seed=94)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(**GREEDY))
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert finals["r0"].finish_reason == "error"
+    assert finals["r0"].error == "the logits held NaN (produced by the model)"
+    assert finals["r1"].finish_reason == "length"
+
+
 def test_a_row_whose_detokenizer_breaks_fails_alone(tiny_model):
     engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
     prompts = prompts_of(tiny_model, 2, seed=90)
@@ -316,7 +375,8 @@ def test_async_engine_stays_healthy_after_faults(tiny_model):
         innocent = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         results = await asyncio.wait_for(asyncio.gather(
             run("innocent", prompts[0], innocent),
-            *(run(f"bad{i}", prompts[1], SamplingParams(extra_args={"target_token": 5000}, **GREEDY)) for i in range(3)),
+            *(run(f"bad{i}", prompts[1], SamplingParams(extra_args={"target_token": 5000}, **GREEDY))
+              for i in range(3)),
         ), 120)
         assert results[0].finish_reason == "length"
         assert results[0].token_ids == solo(tiny_model, prompts[0], innocent)

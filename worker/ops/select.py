@@ -16,11 +16,15 @@ import torch
 from worker.ops.blocks import block_reduce, block_size, gather_blocks, num_blocks
 
 
-def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """([n] max values, [n] int64 ids) of each row; the lowest id wins a tie. NaN rows: NaN value."""
+def row_argmax(x: torch.Tensor, bmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n] max values, [n] int64 ids) of each row; the lowest id wins a tie. NaN rows: NaN value.
+
+    ``bmax`` may pass ``block_reduce(x, block_size(V), "amax")`` when the caller already has it.
+    """
     n, v = x.shape
     bs = block_size(v)
-    bmax = block_reduce(x, bs, "amax")
+    if bmax is None:
+        bmax = block_reduce(x, bs, "amax")
     best = torch.argmax(bmax, dim=-1)  # first block holding the row max
     vals, ids = gather_blocks(x, None, best[:, None], bs, float("-inf"))
     j = torch.argmax(vals, dim=-1, keepdim=True)  # first occurrence inside that block
