@@ -113,6 +113,14 @@ def _openapi() -> dict[str, Any]:
         }
         # `"stream": true` answers server-sent events instead of one JSON object.
         op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    # Prometheus' text format, not JSON.
+    schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    # /health answers 503 with its own body (how many replicas are alive), not an error object.
+    health = {"type": "object", "required": ["status"], "properties": {
+        "status": {"type": "string"}, "workers_alive": {"type": "integer"}, "workers": {"type": "integer"}}}
+    for code in ("200", "503"):
+        schema["paths"]["/health"]["get"]["responses"][code] = {
+            "description": "Health of the worker pool", "content": {"application/json": {"schema": health}}}
     schema["components"]["schemas"]["ErrorResponse"] = _ERROR_SCHEMA
     error = {"description": "Error (OpenAI's shape)",
              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
