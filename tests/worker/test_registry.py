@@ -242,10 +242,10 @@ def test_describe_lists_every_processor_with_its_extra_args() -> None:
         "name": "DummyLogitsProcessor",
         "fqcn": DUMMY,
         "argmax_invariant": False,
-        "extra_args": [],
+        "extra_args_keys": None,
         "extra_args_schema": None,
     }
-    assert by_name["RaisingLogitsProcessor"]["extra_args"] == ["raise_in"]
+    assert by_name["RaisingLogitsProcessor"]["extra_args_keys"] == ["raise_in"]
     assert by_name["RaisingLogitsProcessor"]["extra_args_schema"] == RaisingLogitsProcessor.extra_args_schema
     assert by_name["MinPLogitsProcessor"]["argmax_invariant"] is True
     assert all(resolve_processor_class(r["fqcn"]).__name__ == r["name"] for r in rows)
