@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
+
 from worker.logits_processor.builtin import _SparseRows
 from worker.logits_processor.schema import parse_extra_args
 from worker.ops.workspace import Workspace

@@ -80,14 +80,18 @@ class XTCLogitsProcessor(LibraryProcessor[_Row]):
         if not firing:
             return logits
         rows = self._stage([r for r, _ in firing], torch.int64)
-        sub = logits.index_select(0, rows)
-        probs = torch.softmax(sub, dim=-1)
+        sub = logits if len(firing) == logits.shape[0] else logits.index_select(0, rows)
+        # At most 1/threshold tokens reach the threshold: the top-k candidates hold them all, so
+        # two passes over the rows (logsumexp, topk) and the rest on [rows, k].
+        k = min(sub.shape[1], int(1.0 / min(t for _, t in firing)) + 1)
+        vals, ids = torch.topk(sub, k, dim=-1)
+        probs = torch.exp(vals - torch.logsumexp(sub, dim=-1, keepdim=True))
         top = probs >= self._stage([t for _, t in firing], torch.float32)[:, None].to(probs.dtype)
         lowest = torch.where(top, probs, torch.inf).amin(-1, keepdim=True)
-        ids = torch.arange(sub.shape[1], device=sub.device)
-        kept = torch.where(top & (probs == lowest), ids, -1).amax(-1, keepdim=True)
+        kept = torch.where(top & (probs == lowest), ids, -1).amax(-1, keepdim=True)  # ties: highest id stays
         remove = top & (ids != kept) & (top.sum(-1, keepdim=True) >= 2)
-        logits.index_copy_(0, rows, sub.masked_fill_(remove, NEG_INF))
+        local, col = remove.nonzero(as_tuple=True)
+        logits[rows[local], ids[local, col]] = NEG_INF
         return logits
 
     def is_argmax_invariant(self) -> bool:
