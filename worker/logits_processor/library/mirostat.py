@@ -5,9 +5,9 @@ Per request, a running target ``mu`` (starts at ``2 * tau``): each step, tokens 
 ``mu -= eta * (surprise(token) - tau)``, the surprise measured on the truncated, renormalised
 distribution. The drawn token is read at the next step from the request's live output list;
 each row's truncated logits and their logsumexp are kept until then, in the row's state, so
-state follows the batch through ``BatchUpdate``. A token that distribution gave no mass (it was not drawn from
-it) leaves ``mu`` unchanged. Argmax-invariant: step 7b, after temperature; greedy rows are left
-alone.
+state follows the batch through ``BatchUpdate``. A token that distribution gave no mass (it was
+not drawn from it) leaves ``mu`` unchanged. Argmax-invariant: step 7b, after temperature; greedy
+rows are left alone.
 """
 
 from __future__ import annotations
