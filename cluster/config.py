@@ -65,6 +65,8 @@ class EngineConfig(_Frozen):
     seed: int = 0
     logits_processors: tuple[str, ...] = ()
     """FQCNs `"dotted.module:ClassName"`, loaded once when a worker starts."""
+    strict_extra_args: bool = True
+    """Reject `extra_args` keys no loaded processor declares (only while every one declares its keys)."""
 
     @field_validator("device")
     @classmethod

@@ -103,7 +103,7 @@ def processors_pb(described: list[dict[str, Any]]) -> pb.ListProcessorsResponse:
     for d in described:
         info = pb.ProcessorInfo(
             name=d["name"], fqcn=d["fqcn"], argmax_invariant=d["argmax_invariant"],
-            extra_args_keys=list(d.get("extra_args_keys") or []),
+            extra_args_keys=d["extra_args_keys"] or [],  # None (undeclared) travels as []
         )
         if d.get("extra_args_schema") is not None:
             info.extra_args_schema_json = json.dumps(d["extra_args_schema"])

@@ -302,7 +302,9 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
     async def list_processors(self, request: Request) -> Response:
         if denied := self._denied(request):
             return denied
-        return JSONResponse({"object": "list", "data": self.processors.describe()})
+        return JSONResponse(
+            {"object": "list", "data": self.processors.describe(), "strict_extra_args": self.processors.strict_extra_args}
+        )
 
     @api.get("/health")
     async def health(self) -> Response:

@@ -29,6 +29,9 @@ class EngineConfig:
     logits_processors: tuple[str | type, ...] = field(default_factory=tuple)
     # Load processors registered under the `logitpool.logits_processors` entry-point group.
     load_entry_points: bool = True
+    # Reject extra_args keys that no loaded processor declares (on only while every loaded
+    # processor declares its keys; see worker.logits_processor.registry).
+    strict_extra_args: bool = True
     # Reorder the persistent batch with SWAP moves so rows that will finish first sit at the
     # tail, where removing them needs no condense moves.
     reorder_batch: bool = True

@@ -146,8 +146,12 @@ def test_openai_vllm_xargs_drive_the_custom_processor(oai, grpc_client):
 def test_http_endpoints(serving):
     base = f"http://127.0.0.1:{serving.server.http_port}"
     assert httpx.get(f"{base}/health").status_code == 200
-    procs = httpx.get(f"{base}/v1/processors").json()["data"]
-    assert DUMMY_FQCN in [p["fqcn"] for p in procs]
+    listing = httpx.get(f"{base}/v1/processors").json()
+    procs = {p["fqcn"]: p for p in listing["data"]}
+    assert procs[DUMMY_FQCN]["extra_args_keys"] is None  # declares nothing: strict keys are off
+    assert listing["strict_extra_args"] is False
+    top_a = procs["worker.logits_processor.library.top_a:TopALogitsProcessor"]
+    assert top_a["argmax_invariant"] and top_a["extra_args_schema"]["properties"]["top_a"]["maximum"] == 1.0
     assert httpx.get(f"{base}/v1/models").json()["data"][0]["object"] == "model"
     metrics = httpx.get(f"{base}/metrics").text
     assert "logitpool_requests_total" in metrics

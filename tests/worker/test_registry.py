@@ -19,6 +19,7 @@ from worker.logits_processor.builtin import (
     MinPLogitsProcessor,
     MinTokensLogitsProcessor,
 )
+from worker.logits_processor.library import LIBRARY_PROCESSORS
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
 from worker.logits_processor.registry import (
     ENTRY_POINT_GROUP,
@@ -46,7 +47,12 @@ def _build(custom: tuple = (), entry_points: bool = False) -> Any:
 
 
 def _classes(procs: Any) -> list[type]:
-    return [type(p) for p in procs.all]
+    """The loaded classes, less the library's own (registered as entry points of this package)."""
+    return [type(p) for p in procs.all if type(p) not in LIBRARY_PROCESSORS]
+
+
+def _plugins() -> list[type]:
+    return [c for c in entry_point_classes() if c not in LIBRARY_PROCESSORS]
 
 
 # -- failures ----------------------------------------------------------------------------------
@@ -172,15 +178,21 @@ def test_argmax_invariance_is_read_once_at_construction() -> None:
 
 def test_entry_point_is_discovered_from_a_real_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(PLUGIN_SITE))
-    assert entry_point_classes() == [DummyLogitsProcessor]
+    assert _plugins() == [DummyLogitsProcessor]
     procs = _build((WrappedPerReqLogitsProcessor, DUMMY), entry_points=True)
     assert _classes(procs) == [*BUILTINS, DummyLogitsProcessor, WrappedPerReqLogitsProcessor]
     assert _classes(_build(entry_points=False)) == BUILTINS
 
 
+def test_the_library_loads_through_this_package_s_own_entry_points() -> None:
+    names = [c.__name__ for c in entry_point_classes()]
+    assert names == [c.__name__ for c in LIBRARY_PROCESSORS]  # sorted by entry-point name
+    assert [type(p) for p in _build(entry_points=True).all][len(BUILTINS) :] == list(LIBRARY_PROCESSORS)
+
+
 def test_without_the_distribution_nothing_extra_loads() -> None:
     assert str(PLUGIN_SITE) not in sys.path
-    assert entry_point_classes() == []
+    assert _plugins() == []
     assert _classes(_build(entry_points=True)) == BUILTINS
 
 
@@ -196,7 +208,7 @@ def test_entry_points_load_sorted_by_name_and_bad_ones_are_named(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(str(PLUGIN_SITE))
-    assert entry_point_classes() == [RaisingLogitsProcessor, DummyLogitsProcessor, WrappedPerReqLogitsProcessor]
+    assert _plugins() == [RaisingLogitsProcessor, DummyLogitsProcessor, WrappedPerReqLogitsProcessor]
 
     (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nbroken = tests.fixtures.seed_processors:Nope\n")
     with pytest.raises(LogitsProcessorLoadError, match="entry point 'broken'.*has no attribute 'Nope'"):
@@ -242,10 +254,10 @@ def test_describe_lists_every_processor_with_its_extra_args() -> None:
         "name": "DummyLogitsProcessor",
         "fqcn": DUMMY,
         "argmax_invariant": False,
-        "extra_args": [],
+        "extra_args_keys": None,
         "extra_args_schema": None,
     }
-    assert by_name["RaisingLogitsProcessor"]["extra_args"] == ["raise_in"]
+    assert by_name["RaisingLogitsProcessor"]["extra_args_keys"] == ["raise_in"]
     assert by_name["RaisingLogitsProcessor"]["extra_args_schema"] == RaisingLogitsProcessor.extra_args_schema
     assert by_name["MinPLogitsProcessor"]["argmax_invariant"] is True
     assert all(resolve_processor_class(r["fqcn"]).__name__ == r["name"] for r in rows)

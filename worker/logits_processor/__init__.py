@@ -37,6 +37,8 @@ _LAZY: dict[str, str] = {
     "LogitBiasLogitsProcessor": "builtin",
     "MinPLogitsProcessor": "builtin",
     "PenaltiesLogitsProcessor": "penalties",
+    "ExtraArgs": "schema",
+    "parse_extra_args": "schema",
 }
 
 

@@ -9,10 +9,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from worker.logits_processor.schema import parse_extra_args
 from worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the worker's config object; processors receive it untyped on purpose
@@ -52,7 +53,18 @@ class BatchUpdate:
 
 
 class LogitsProcessor(ABC):
-    """A stateful, batch-level transform of the ``(num_requests, vocab_size)`` logits."""
+    """A stateful, batch-level transform of the ``(num_requests, vocab_size)`` logits.
+
+    The ``extra_args`` keys it owns may be declared (``worker.logits_processor.schema``): a
+    pydantic model in ``extra_args_model`` (validated by the default ``validate_params`` and
+    published as a JSON schema), a JSON schema dict in ``extra_args_schema``, or bare names in
+    ``extra_args_keys`` (``()``: reads none). Declaring nothing is allowed but turns strict key
+    checking off while the processor is loaded.
+    """
+
+    extra_args_model: ClassVar[Any] = None  # type[pydantic.BaseModel] | None
+    extra_args_schema: ClassVar[dict[str, Any] | None] = None
+    extra_args_keys: ClassVar[tuple[str, ...] | None] = None
 
     @abstractmethod
     def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
@@ -78,5 +90,8 @@ class LogitsProcessor(ABC):
 
     @classmethod
     def validate_params(cls, params: SamplingParams) -> None:
-        """Raise ValueError for request parameters this processor cannot accept."""
-        return None
+        """Raise ValueError for request parameters this processor cannot accept.
+
+        By default: validate the keys ``extra_args_model`` declares (nothing when it is None).
+        """
+        parse_extra_args(cls, params)

@@ -6,11 +6,15 @@ sorted by name, then the configured ``custom`` ones (FQCN strings or classes) in
 listed twice loads once, at its first position. Penalties are loaded too but kept apart: the
 sampler applies them at step 6, not through the generic lists.
 
-Declaring ``extra_args``: a processor may set the class attribute
-``extra_args_schema: dict | None`` to a JSON schema of the ``SamplingParams.extra_args`` object it
-reads, e.g. ``{"type": "object", "properties": {"target_token": {"type": "integer"}}}``.
-``LogitsProcessors.describe()`` reports it (and its ``properties`` keys) so front ends and docs
-can list what each processor accepts; validation itself stays in ``validate_params``.
+Declaring ``extra_args`` (``schema.py``): a processor may own keys of ``SamplingParams.extra_args``
+through a pydantic ``extra_args_model``, a JSON-schema dict ``extra_args_schema`` or bare
+``extra_args_keys``. ``describe()`` publishes each processor's keys, JSON schema and argmax
+invariance.
+
+Strict keys: when every loaded processor declares its keys, a request key that none of them
+owns is a ValueError listing the known keys (a misspelt key is never silently ignored). A
+loaded processor that declares nothing could read any key, so strict checking is off while one
+is loaded; the config's ``strict_extra_args = False`` turns it off always.
 """
 
 from __future__ import annotations
@@ -33,9 +37,26 @@ from worker.logits_processor.builtin import (
 from worker.logits_processor.errors import LogitsProcessorLoadError, ProcessorError
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
+from worker.logits_processor.schema import declared_keys, json_schema
 from worker.sampling_params import SamplingParams
 
 ENTRY_POINT_GROUP = "logitpool.logits_processors"
+
+# Built-ins read no extra_args (declared here, not in builtin.py, so the built-ins stay as written).
+_KEYLESS: frozenset[type] = frozenset(
+    {
+        AllowedTokenIdsLogitsProcessor,
+        BadWordsLogitsProcessor,
+        MinTokensLogitsProcessor,
+        LogitBiasLogitsProcessor,
+        MinPLogitsProcessor,
+        PenaltiesLogitsProcessor,
+    }
+)
+
+
+def _keys_of(cls: type) -> frozenset[str] | None:
+    return frozenset() if cls in _KEYLESS else declared_keys(cls)
 
 BUILTIN_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     AllowedTokenIdsLogitsProcessor,
@@ -107,13 +128,20 @@ def entry_point_classes() -> list[type[LogitsProcessor]]:
 class LogitsProcessors:
     """The loaded, ordered set of processors a worker's sampler runs."""
 
-    def __init__(self, processors: Sequence[LogitsProcessor], penalties: PenaltiesLogitsProcessor) -> None:
+    def __init__(
+        self, processors: Sequence[LogitsProcessor], penalties: PenaltiesLogitsProcessor, *, strict_extra_args: bool = True
+    ) -> None:
         self.all: list[LogitsProcessor] = list(processors)
         self.penalties = penalties
         invariant = [p.is_argmax_invariant() for p in self.all]  # read once, at start-up
         self.argmax_invariant: list[LogitsProcessor] = [p for p, inv in zip(self.all, invariant) if inv]
         self.non_argmax_invariant: list[LogitsProcessor] = [p for p, inv in zip(self.all, invariant) if not inv]
         self._invariant = [*invariant, penalties.is_argmax_invariant()]
+        keys = [_keys_of(type(p)) for p in self.every()]
+        # The keys a request may use, or None when they cannot be known (checking is off).
+        self.known_extra_args: frozenset[str] | None = (
+            frozenset().union(*keys) if strict_extra_args and all(k is not None for k in keys) else None
+        )
 
     def every(self) -> list[LogitsProcessor]:
         """Every loaded processor, penalties last."""
@@ -124,6 +152,7 @@ class LogitsProcessors:
         return LogitsProcessors(
             [_instantiate(type(p), config, device, is_pin_memory) for p in self.all],
             _instantiate(type(self.penalties), config, device, is_pin_memory),
+            strict_extra_args=self.strict_extra_args,
         )
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
@@ -134,25 +163,44 @@ class LogitsProcessors:
             except Exception as exc:
                 raise ProcessorError(type(p).__name__, "update_state", exc) from exc
 
+    @property
+    def strict_extra_args(self) -> bool:
+        """True when unknown ``extra_args`` keys are rejected."""
+        return self.known_extra_args is not None
+
     def validate_params(self, params: SamplingParams) -> None:
-        """Run every loaded class's ``validate_params``; a ValueError propagates unchanged."""
+        """Reject unknown ``extra_args`` keys (when strict), then run every class's ``validate_params``.
+
+        A ValueError propagates unchanged.
+        """
+        known = self.known_extra_args
+        if known is not None and params.extra_args:
+            unknown = sorted(k for k in params.extra_args if k not in known)
+            if unknown:
+                listed = ", ".join(sorted(known)) or "none"
+                raise ValueError(
+                    f"extra_args: unknown key(s) {', '.join(map(repr, unknown))}; "
+                    f"the loaded logits processors accept: {listed}"
+                )
         for p in self.every():
             type(p).validate_params(params)
 
     def describe(self) -> list[dict[str, Any]]:
-        """Name, FQCN, argmax invariance and declared ``extra_args`` of every loaded processor."""
+        """Name, FQCN, argmax invariance, declared ``extra_args`` keys and JSON schema of each processor.
+
+        ``extra_args_keys`` is None for a processor that declares nothing (it may read any key).
+        """
         out = []
         for p, invariant in zip(self.every(), self._invariant):
             cls = type(p)
-            schema = getattr(cls, "extra_args_schema", None)
-            props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+            keys = _keys_of(cls)
             out.append(
                 {
                     "name": cls.__name__,
                     "fqcn": fqcn_of(cls),
                     "argmax_invariant": invariant,
-                    "extra_args": sorted(props),
-                    "extra_args_schema": schema,
+                    "extra_args_keys": None if keys is None else sorted(keys),
+                    "extra_args_schema": json_schema(cls),
                 }
             )
         return out
@@ -166,7 +214,10 @@ def build_logits_processors(
     *,
     entry_points: bool = True,
 ) -> LogitsProcessors:
-    """Instantiate built-ins, then entry points (by name), then ``custom``; each class once."""
+    """Instantiate built-ins, then entry points (by name), then ``custom``; each class once.
+
+    Strict ``extra_args`` checking follows ``config.strict_extra_args`` (on when absent).
+    """
     classes: list[type[LogitsProcessor]] = list(BUILTIN_PROCESSORS)
     if entry_points:
         classes += entry_point_classes()
@@ -175,6 +226,7 @@ def build_logits_processors(
     return LogitsProcessors(
         [_instantiate(c, config, device, is_pin_memory) for c in unique],
         _instantiate(PenaltiesLogitsProcessor, config, device, is_pin_memory),
+        strict_extra_args=bool(getattr(config, "strict_extra_args", True)),
     )
 
 
