@@ -37,6 +37,7 @@ _LAZY: dict[str, str] = {
     "LogitBiasLogitsProcessor": "builtin",
     "MinPLogitsProcessor": "builtin",
     "PenaltiesLogitsProcessor": "penalties",
+    "StructuredOutputsLogitsProcessor": "structured",
 }
 
 
