@@ -83,7 +83,8 @@ class StructuredOutputsParams:
         if self.kind == "json":
             if isinstance(value, str):
                 value = _json.loads(value)
-            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            # Key order is kept: xgrammar emits properties in schema order, so it is meaning.
+            return _json.dumps(value, separators=(",", ":"))
         if self.kind == "choice":
             return _json.dumps(value)
         return "" if self.kind == "json_object" else str(value)

@@ -57,6 +57,10 @@ class CompiledConstraint:
     grammar: xgr.CompiledGrammar
     stop_ids: frozenset[int]
     vocab_size: int
+    # JSON kinds only: the (words,) int32 bitmask of tokens without a raw control character.
+    # xgrammar 0.2.8's rule for length-bounded strings (maxLength) admits bytes 0x00-0x1f, which
+    # JSON never allows unescaped; ANDing this in after the fill keeps the output valid JSON.
+    keep: torch.Tensor | None = None
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self)
@@ -74,6 +78,7 @@ class GrammarMatcher:
     def __init__(self, compiled: CompiledConstraint) -> None:
         self._m = xgr.GrammarMatcher(compiled.grammar)
         self._stop = compiled.stop_ids
+        self.keep = compiled.keep
         self.dead = False
 
     @property
@@ -117,13 +122,26 @@ class MaskFiller:
                 live_rows.append(row)
         if live:
             self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
+        keep = [(row, m.keep) for m, row in zip(matchers, rows) if m.keep is not None and not m.terminated]
+        if keep:
+            idx = torch.tensor([r for r, _ in keep])
+            bitmask[idx] &= torch.stack([k for _, k in keep])
+
+
+_CONTROL = re.compile(rb"[\x00-\x1f]")
+
+
+def _bits_of(ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """The (words,) int32 bitmask with exactly ``ids`` set."""
+    bits = torch.zeros(bitmask_words(vocab_size) * 32, dtype=torch.bool)
+    bits[[t for t in ids if 0 <= t < vocab_size]] = True
+    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    words = (bits.view(-1, 32).to(torch.int64) * weights).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def _set_bits(row: torch.Tensor, ids: frozenset[int]) -> None:
-    for t in ids:
-        if t < row.numel() * 32:
-            word = row[t // 32].item() | (1 << (t % 32))
-            row[t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    row |= _bits_of(sorted(ids), row.numel() * 32)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -146,6 +164,10 @@ class StructuredCompiler:
         self._pending: dict[tuple[str, str], Future[CompiledConstraint]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="logitpool-grammar")
+        self._json_keep = _bits_of(
+            [t for t, text in enumerate(info.decoded_vocab) if t in self.stop_ids or not _CONTROL.search(text)],
+            self.vocab_size,
+        )
         self.hits = 0
         self.misses = 0
 
@@ -228,7 +250,8 @@ class StructuredCompiler:
             grammar = c.compile_grammar(spec)
         else:
             grammar = c.compile_lark(spec)
-        return CompiledConstraint(grammar, self.stop_ids, self.vocab_size)
+        keep = self._json_keep if kind in ("json", "json_object") else None
+        return CompiledConstraint(grammar, self.stop_ids, self.vocab_size, keep)
 
     def clear(self) -> None:
         with self._lock:
