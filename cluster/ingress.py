@@ -216,7 +216,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, [out])
-        return JSONResponse(chat_response(rid, model, out, self.decode_token, top_n, body.return_token_ids))
+        return JSONResponse(chat_response(rid, model, out, self.decode_token, top_n, body.return_token_ids,
+                                          body.forced_tool))
 
     async def _stream_chat(
         self, rid: str, model: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest
