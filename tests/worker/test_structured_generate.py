@@ -128,3 +128,57 @@ def test_json_object_outputs_are_objects_or_valid_prefixes(llm: LLM) -> None:
             m = compiled.matcher()
             assert all(m.accept(t) for t in c.token_ids), c.text
     assert stopped >= 5
+
+
+@pytest.mark.slow
+def test_mixed_batch_constrained_and_free_rows(llm: LLM) -> None:
+    """Constrained rows next to free ones, with n>1, seeds, bad_words and a +100 logit_bias on a
+    token the grammar forbids: every constrained completion stays valid, free rows stay free."""
+    tok = llm.get_tokenizer()
+    forbidden = tok.encode("Q", add_special_tokens=False)[0]
+    person = SCHEMAS["person"]
+    reqs: list[tuple[str, SamplingParams, object]] = []
+    for i in range(8):
+        reqs.append(("schema", SamplingParams(structured_outputs={"json": person}, max_tokens=96, seed=100 + i),
+                     person))
+        reqs.append(("choice", SamplingParams(structured_outputs={"choice": CHOICES}, n=3, max_tokens=16,
+                                              bad_words=["maybe"], temperature=1.5), None))
+        reqs.append(("regex", SamplingParams(structured_outputs={"regex": REGEX}, max_tokens=32,
+                                             seed=i if i % 2 else None, logit_bias={forbidden: 100.0}), None))
+        reqs.append(("free", SamplingParams(max_tokens=12, seed=i, logit_bias={forbidden: 100.0}), None))
+    outs = llm.generate([f"mixed {i}" for i in range(len(reqs))], [p for _, p, _ in reqs], use_tqdm=False)
+    for (kind, _, schema), out in zip(reqs, outs):
+        for c in out.outputs:
+            if kind == "free":
+                assert c.finish_reason == "length" and c.token_ids.count(forbidden) == 12  # the bias wins unconstrained
+                continue
+            assert c.finish_reason == "stop", (kind, c.text)
+            if kind == "schema":
+                jsonschema.validate(json.loads(c.text), schema)  # type: ignore[arg-type]
+            elif kind == "choice":
+                assert c.text in CHOICES
+            else:
+                assert re.fullmatch(REGEX, c.text), c.text
+                assert forbidden not in c.token_ids  # +100 cannot lift a token the grammar forbids
+        assert len(out.outputs) == (3 if kind == "choice" else 1)
+
+
+@pytest.mark.slow
+def test_seeded_constrained_output_does_not_depend_on_the_batch(llm: LLM) -> None:
+    params = SamplingParams(structured_outputs={"regex": REGEX}, max_tokens=32, seed=7)
+    alone = llm.generate(["same prompt"], params, use_tqdm=False)[0].outputs[0].text
+    mixed = llm.generate(
+        ["same prompt", "other", "third"],
+        [params, SamplingParams(max_tokens=20), SamplingParams(structured_outputs={"choice": CHOICES}, max_tokens=8)],
+        use_tqdm=False,
+    )[0].outputs[0].text
+    assert alone == mixed and re.fullmatch(REGEX, alone)
+
+
+def test_max_tokens_mid_structure_finishes_with_length(llm: LLM) -> None:
+    out = llm.generate(["p"], SamplingParams(structured_outputs={"json": SCHEMAS["person"]}, max_tokens=3, seed=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    m = compiler_for(llm.get_tokenizer(), llm.engine.vocab_size).compile(
+        StructuredOutputsParams(json=SCHEMAS["person"])).matcher()
+    assert all(m.accept(t) for t in out.token_ids)  # a valid prefix, just unfinished
