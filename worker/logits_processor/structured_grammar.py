@@ -4,7 +4,7 @@ Why xgrammar (measured on the tiny model's 3000-token byte-level BPE, see the RE
 matchers fill a next-token mask in ~1-2 us median (llguidance 1.9: ~20-24 us, with multi-ms
 spikes while its lexer warms up), it supports more JSON-schema keywords than llguidance here
 (``not``, ``if``/``then``, ``uniqueItems`` compile; llguidance rejects them), it takes EBNF and
-Lark, and it fills many rows of one bitmask from C++ threads (``BatchGrammarMatcher``).
+Lark, and it exposes exactly the pieces the batch needs (per-row matcher, int32 token bitmask).
 
 Compiling happens before admission, off the step thread, in a small thread pool with a time
 bound (xgrammar releases the GIL while compiling); results go to an LRU keyed by the constraint,
@@ -100,17 +100,18 @@ class GrammarMatcher:
 
 
 class MaskFiller:
-    """Fills rows of one int32 bitmask for many matchers, live ones in one C++ batch call."""
+    """Fills rows of one int32 bitmask for many matchers.
 
-    def __init__(self, max_threads: int | None = None) -> None:
-        self._batch = xgr.BatchGrammarMatcher(max_threads if max_threads else "auto")
+    One ``fill_next_token_bitmask`` per live row: measured at B=64 on 2 cores, this loop took
+    0.75 ms where xgrammar's threaded ``BatchGrammarMatcher`` took 10-18 ms (thread hand-off on
+    a busy machine), so the loop it is; the mask work itself is C++ either way.
+    """
 
     def fill(self, matchers: Sequence[GrammarMatcher], rows: Sequence[int], bitmask: torch.Tensor) -> None:
         """Row ``rows[i]`` of ``bitmask`` gets the tokens ``matchers[i]`` allows next.
 
         A terminated matcher allows only its stop tokens; a dead one allows nothing.
         """
-        live, live_rows = [], []
         for m, row in zip(matchers, rows):
             if m.dead:
                 bitmask[row] = 0
@@ -118,10 +119,7 @@ class MaskFiller:
                 bitmask[row] = 0
                 _set_bits(bitmask[row], m._stop)
             else:
-                live.append(m.handle)
-                live_rows.append(row)
-        if live:
-            self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
+                m.handle.fill_next_token_bitmask(bitmask, row)
         keep = [(row, m.keep) for m, row in zip(matchers, rows) if m.keep is not None and not m.terminated]
         if keep:
             idx = torch.tensor([r for r, _ in keep])
