@@ -20,6 +20,7 @@ from worker.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
+from worker.logits_processor.structured import StructuredOutputsLogitsProcessor
 from worker.logits_processor.registry import (
     ENTRY_POINT_GROUP,
     build_logits_processors,
@@ -37,6 +38,7 @@ BUILTINS = [
     BadWordsLogitsProcessor,
     MinTokensLogitsProcessor,
     LogitBiasLogitsProcessor,
+    StructuredOutputsLogitsProcessor,
     MinPLogitsProcessor,
 ]
 
