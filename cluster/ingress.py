@@ -84,6 +84,12 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         self.validator.validate(params)
         return [self.validator.tokenize(p) for p in prompts]
 
+    async def check_request_async(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
+        """check_request, in a thread when a grammar may need compiling (time-bounded, not instant)."""
+        if params.structured_outputs is None:
+            return self.check_request(params, prompts)
+        return await asyncio.to_thread(self.check_request, params, prompts)
+
     async def stream_deltas(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Delta outputs from a worker; each wait bounded by the request timeout."""
         gen = self.worker.options(method_name="generate", stream=True).remote(request_id, ids, params)
@@ -144,7 +150,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         try:
             body: CompletionRequest = await self._parse(request, CompletionRequest)
             params = body.sampling_params()
-            prompts = self.check_request(params, body.prompts())
+            prompts = await self.check_request_async(params, body.prompts())
         except Exception as exc:
             return self._error(exc)
         rid = new_id("cmpl")
@@ -202,7 +208,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
             params = body.sampling_params()
             prompt = render_chat(self.tokenizer, body.messages)
-            (ids,) = self.check_request(params, [prompt])
+            (ids,) = await self.check_request_async(params, [prompt])
         except Exception as exc:
             return self._error(exc)
         rid = new_id("chatcmpl")
