@@ -120,10 +120,12 @@ class MaskFiller:
                 _set_bits(bitmask[row], m._stop)
             else:
                 m.handle.fill_next_token_bitmask(bitmask, row)
-        keep = [(row, m.keep) for m, row in zip(matchers, rows) if m.keep is not None and not m.terminated]
-        if keep:
-            idx = torch.tensor([r for r, _ in keep])
-            bitmask[idx] &= torch.stack([k for _, k in keep])
+        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}  # one group per compiler, in practice
+        for m, row in zip(matchers, rows):
+            if m.keep is not None and not m.terminated:
+                groups.setdefault(id(m.keep), (m.keep, []))[1].append(row)
+        for keep, idx in groups.values():
+            bitmask[idx] &= keep
 
 
 _CONTROL = re.compile(rb"[\x00-\x1f]")
