@@ -79,6 +79,42 @@ def _fill_object(fields: MutableMapping[str, pb.JsonValue], value: Mapping[Any, 
 
 
 # ---------------------------------------------------------------------------------------------
+# Structured outputs: {"json": schema | str} / {"regex": str} / {"choice": [str]} /
+# {"grammar": str} / {"json_object": True}, as vLLM's `structured_outputs` (shared with the server).
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_outputs_to_pb(value: Mapping[str, Any]) -> pb.StructuredOutputs:
+    """TypeError/ValueError unless ``value`` holds exactly one known kind."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"must be a dict with one of {', '.join(STRUCTURED_KINDS)}, got {type(value).__name__}")
+    given = {k: v for k, v in value.items() if v is not None}
+    unknown = sorted(set(given) - set(STRUCTURED_KINDS))
+    if unknown or len(given) != 1:
+        raise ValueError(f"give exactly one of {', '.join(STRUCTURED_KINDS)}, got {sorted(given)}")
+    ((kind, v),) = given.items()
+    msg = pb.StructuredOutputs()
+    if kind == "json":
+        msg.json = v if isinstance(v, str) else json.dumps(v)
+    elif kind == "choice":
+        msg.choice.choices.extend(v)
+    else:
+        setattr(msg, kind, v)
+    return msg
+
+
+def structured_outputs_from_pb(msg: pb.StructuredOutputs) -> dict[str, Any]:
+    """The dict form; empty when no kind is set (the server rejects that)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return {}
+    if kind == "choice":
+        return {"choice": list(msg.choice.choices)}
+    return {kind: getattr(msg, kind)}
+
+
+# ---------------------------------------------------------------------------------------------
 # Requests
 
 SAMPLING_FIELDS: frozenset[str] = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
@@ -111,6 +147,8 @@ def _set_sampling_field(msg: pb.SamplingParams, name: str, value: Any) -> None:
         if not isinstance(value, Mapping):
             raise TypeError(f"must be a dict, got {type(value).__name__}")
         _fill_object(msg.extra_args, value)
+    elif name == "structured_outputs":
+        msg.structured_outputs.CopyFrom(structured_outputs_to_pb(value))
     elif name == "logit_bias":
         for token, bias in value.items():
             msg.logit_bias[int(token)] = bias  # JSON-style string keys are accepted, as on HTTP

@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--extra-args", help="JSON object for custom logits processors")
     g.add_argument("--api-key")
     g.add_argument("--timeout", type=float, default=120.0)
-    b = sub.add_parser("bench", help="benchmarks: sampler | engine | serve | soak | processors")
-    b.add_argument("what", choices=["sampler", "engine", "serve", "soak", "processors"])
+    b = sub.add_parser("bench", help="benchmarks: sampler | engine | serve | soak | processors | structured")
+    b.add_argument("what", choices=["sampler", "engine", "serve", "soak", "processors", "structured"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cmd == "serve":
@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.bench_soak import main as bench_main
     elif args.what == "processors":
         from worker.bench.processors import main as bench_main
+    elif args.what == "structured":
+        from worker.bench.structured import main as bench_main
     else:
         from cluster.bench_serve import main as bench_main
     return bench_main(args.rest) or 0

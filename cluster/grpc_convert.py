@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from client import extra_args_from_pb
+from client._convert import structured_outputs_from_pb
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from worker.sampling_params import SamplingParams
@@ -30,6 +31,9 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         elif name == "logit_bias":
             if len(msg.logit_bias):
                 kw[name] = dict(msg.logit_bias)
+        elif name == "structured_outputs":
+            if msg.HasField(name):
+                kw[name] = structured_outputs_from_pb(msg.structured_outputs)
         elif name == "allowed_token_ids":
             if msg.HasField(name):
                 kw[name] = list(msg.allowed_token_ids.ids)

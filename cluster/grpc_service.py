@@ -39,7 +39,7 @@ def _engine_id(request_id: str) -> str:
 
 
 class GrpcMethods:
-    """Mixed into the ingress; relies on its check_request / stream_deltas / run / api_keys."""
+    """Mixed into the ingress; relies on its check_request_async / stream_deltas / run / api_keys."""
 
     def _fail(self: Any, ctx: RayServegRPCContext, exc: BaseException) -> BaseException:
         status = classify(exc)
@@ -48,7 +48,7 @@ class GrpcMethods:
         ctx.set_details(status.message)
         return exc
 
-    def _prepare(self: Any, request: pb.GenerateRequest, ctx: RayServegRPCContext) -> tuple[str, list[int], Any]:
+    async def _prepare(self: Any, request: pb.GenerateRequest, ctx: RayServegRPCContext) -> tuple[str, list[int], Any]:
         self.api_keys.check(_authorization(ctx))
         if isinstance(request, MalformedRequest):
             raise request.error()
@@ -56,13 +56,13 @@ class GrpcMethods:
         if size > limit:
             raise PayloadTooLarge(f"request: {size} bytes exceeds limits.max_body_bytes ({limit})")
         params = sampling_params_from_pb(request.params)
-        (ids,) = self.check_request(params, [prompt_from_pb(request)])
+        (ids,) = await self.check_request_async(params, [prompt_from_pb(request)])
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         return rid, ids, params
 
     async def Generate(self: Any, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
         try:
-            rid, ids, params = self._prepare(request, grpc_context)
+            rid, ids, params = await self._prepare(request, grpc_context)
             out = await self.run(_engine_id(rid), ids, params)
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
@@ -73,7 +73,7 @@ class GrpcMethods:
         self: Any, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
-            rid, ids, params = self._prepare(request, grpc_context)
+            rid, ids, params = await self._prepare(request, grpc_context)
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         acc = OutputAccumulator()

@@ -89,6 +89,12 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         self.validator.validate(params)
         return [self.validator.tokenize(p) for p in prompts]
 
+    async def check_request_async(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
+        """check_request, in a thread when a grammar may need compiling (time-bounded, not instant)."""
+        if params.structured_outputs is None:
+            return self.check_request(params, prompts)
+        return await asyncio.to_thread(self.check_request, params, prompts)
+
     async def stream_deltas(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Delta outputs from a worker; each wait bounded by the request timeout.
 
@@ -186,7 +192,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         try:
             body: CompletionRequest = await self._parse(request, CompletionRequest)
             params = body.sampling_params()
-            prompts = self.check_request(params, body.prompts())
+            prompts = await self.check_request_async(params, body.prompts())
         except Exception as exc:
             return self._error(exc)
         rid = new_id("cmpl")
@@ -244,7 +250,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
             params = body.sampling_params()
             prompt = render_chat(self.tokenizer, body.messages)
-            (ids,) = self.check_request(params, [prompt])
+            (ids,) = await self.check_request_async(params, [prompt])
         except Exception as exc:
             return self._error(exc)
         rid = new_id("chatcmpl")
@@ -258,7 +264,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, [out])
-        return StrictJSONResponse(chat_response(rid, model, out, self.decode_token, top_n, body.return_token_ids))
+        return StrictJSONResponse(chat_response(rid, model, out, self.decode_token, top_n, body.return_token_ids,
+                                                body.forced_tool))
 
     async def _stream_chat(
         self, rid: str, model: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest

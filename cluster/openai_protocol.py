@@ -2,17 +2,21 @@
 
 Request bodies are converted once, here, to ``worker.SamplingParams``; responses are built here
 from the engine's ``RequestOutput``. Unknown body fields are ignored, as OpenAI-compatible
-servers do, so newer SDKs keep working.
+servers do, so newer SDKs keep working; known fields this server does not implement are a 400
+(``openai_structured.NOT_IMPLEMENTED``).
 """
 
 from __future__ import annotations
+
+import math
 
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.openai_structured import ForcedTool, forced_tool, reject_not_implemented, structured_from_fields, tool_call_message
 from worker.outputs import CompletionOutput, RequestOutput
 from worker.sampling_params import SamplingParams
 
@@ -55,6 +59,19 @@ class _SamplingFields(BaseModel):
     extra_args: dict[str, Any] | None = None
     # vLLM's extension: each choice (and stream chunk) also carries the generated token ids.
     return_token_ids: bool = False
+    # Structured outputs: at most one (cluster/openai_structured.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_implemented(cls, body: Any) -> Any:
+        reject_not_implemented(body)
+        return body
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"n": self.n}
@@ -71,13 +88,18 @@ class _SamplingFields(BaseModel):
         if self.logit_bias is not None:
             # OpenAI clamps biases to [-100, 100]; keys are token ids as strings.
             kw["logit_bias"] = {
-                k: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) for k, v in self.logit_bias.items()
+                k: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) if math.isfinite(v) else v
+                for k, v in self.logit_bias.items()
             }
         if self.vllm_xargs is not None and self.extra_args is not None:
             raise ValueError("vllm_xargs: give either vllm_xargs or extra_args, not both")
         xargs = self.vllm_xargs if self.vllm_xargs is not None else self.extra_args
         if xargs is not None:
             kw["extra_args"] = dict(xargs)
+        guided = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+        so = structured_from_fields(self.response_format, self.structured_outputs, guided)
+        if so is not None:
+            kw["structured_outputs"] = so
         return kw
 
     @property
@@ -136,9 +158,24 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # one call is always a valid answer
+
+    @property
+    def forced_tool(self) -> ForcedTool | None:
+        """The tool call ``tool_choice`` forces (ValueError for 'auto' and bad tools)."""
+        return forced_tool(self.tools, self.tool_choice)
 
     def sampling_params(self) -> SamplingParams:
         kw = self._sampling_kwargs()
+        tool = self.forced_tool
+        if tool is not None:
+            if "structured_outputs" in kw:
+                raise ValueError("tool_choice: cannot be combined with another output constraint")
+            if self.stream:
+                raise ValueError("stream: streaming tool calls is not implemented; set stream=false")
+            kw["structured_outputs"] = tool.constraint
         max_tokens = self.max_completion_tokens or self.max_tokens
         if max_tokens is not None:
             kw["max_tokens"] = max_tokens
@@ -238,15 +275,19 @@ def completion_response(
     }
 
 
+def _chat_choice(c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    reason = _finish(c)
+    if tool is not None:
+        message, reason = tool_call_message(tool, c.text, reason)
+    return {"index": c.index, "message": message, "logprobs": chat_logprobs(c, decode, top_n), "finish_reason": reason}
+
+
 def chat_response(
-    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False
+    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
+    tool: ForcedTool | None = None,
 ) -> dict[str, Any]:
-    choices = [_with_ids({
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": chat_logprobs(c, decode, top_n),
-        "finish_reason": _finish(c),
-    }, c, token_ids) for c in out.outputs]
+    choices = [_with_ids(_chat_choice(c, decode, top_n, tool), c, token_ids) for c in out.outputs]
     n_out = sum(len(c.token_ids) for c in out.outputs)
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,

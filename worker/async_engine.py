@@ -104,7 +104,10 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop stopped: {self.dead!r}")
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        parent = self.engine.prepare(request_id, prompt, params)
+        if params.structured_outputs is None:
+            parent = self.engine.prepare(request_id, prompt, params)
+        else:  # compiling a grammar (time-bounded, cached) must not hold up the event loop
+            parent = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params)
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
         self._ensure_thread()

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from worker.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
@@ -104,6 +106,9 @@ class SamplingParams:
     logprobs_mode: LogprobsMode = "raw_logprobs"
     skip_special_tokens: bool = True
     extra_args: dict[str, Any] | None = None
+    # One output constraint (JSON schema, regex, choice, grammar, any JSON object); a dict is
+    # converted. Enforced by the built-in StructuredOutputsLogitsProcessor.
+    structured_outputs: StructuredOutputsParams | None = None
 
     # Filled by the engine from the tokenizer / generation config before admission
     # (vLLM does the same): token-id forms of the bad words, and every stop token id
@@ -123,6 +128,8 @@ class SamplingParams:
             # An empty object means "no custom arguments"; vLLM-style validate_params
             # (`params.extra_args and ...`) would otherwise see {} instead of None.
             self.extra_args = None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
         self._all_stop_token_ids = set(self.stop_token_ids)
 

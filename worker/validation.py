@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.logits_processor.registry import LogitsProcessors
+from worker.logits_processor.structured_grammar import compiler_for
 from worker.sampling_params import SamplingParams, check_unicode
 
 Prompt = str | list[int]
@@ -26,6 +27,9 @@ class RequestValidator:
     def validate(self, params: SamplingParams) -> None:
         params.validate_for_model(self.vocab_size, self.max_logprobs)
         self.processors.validate_params(params)
+        so = params.structured_outputs
+        if so is not None:  # compiled (or found in the cache) here, before admission, off the step
+            so.compiled = compiler_for(self.tokenizer, self.vocab_size).compile(so)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

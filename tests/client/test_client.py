@@ -99,6 +99,7 @@ def test_every_sampling_keyword_reaches_the_server(server: Running) -> None:
         stop=["x", "yz"], stop_token_ids=[3, 4], ignore_eos=True, bad_words=["bad"],
         allowed_token_ids=[7, 8], logit_bias={7: -100.0, 8: 2.5}, logprobs=0,
         logprobs_mode="processed_logits", skip_special_tokens=False, extra_args={"k": 1},
+        structured_outputs={"choice": ["p", "q"]},
     )
     assert set(sampling) == client._convert.SAMPLING_FIELDS  # the test covers every field
     with Client(server.target) as c:
@@ -111,6 +112,8 @@ def test_every_sampling_keyword_reaches_the_server(server: Running) -> None:
             assert dict(p.logit_bias) == value
         elif name == "extra_args":
             assert server.servicer.extra_args[-1] == value
+        elif name == "structured_outputs":
+            assert list(p.structured_outputs.choice.choices) == value["choice"]
         elif isinstance(value, list):
             assert list(getattr(p, name)) == value, name
         else:

@@ -21,6 +21,7 @@ from worker.logits_processor.builtin import (
 )
 from worker.logits_processor.library import LIBRARY_PROCESSORS
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
+from worker.logits_processor.structured import StructuredOutputsLogitsProcessor
 from worker.logits_processor.registry import (
     ENTRY_POINT_GROUP,
     build_logits_processors,
@@ -38,6 +39,7 @@ BUILTINS = [
     BadWordsLogitsProcessor,
     MinTokensLogitsProcessor,
     LogitBiasLogitsProcessor,
+    StructuredOutputsLogitsProcessor,
     MinPLogitsProcessor,
 ]
 

@@ -39,6 +39,7 @@ _LAZY: dict[str, str] = {
     "PenaltiesLogitsProcessor": "penalties",
     "ExtraArgs": "schema",
     "parse_extra_args": "schema",
+    "StructuredOutputsLogitsProcessor": "structured",
 }
 
 

@@ -1,7 +1,7 @@
 """Loading the worker's logits processors at start-up (SPEC §3) and the loaded set.
 
 Order is the pipeline order: the built-ins (AllowedTokenIds, BadWords, MinTokens, LogitBias,
-MinP: SPEC §2.4 steps 3-5), then every entry point of group ``logitpool.logits_processors``
+StructuredOutputs, MinP: SPEC §2.4 steps 3-5, 7b), then every entry point of group ``logitpool.logits_processors``
 sorted by name, then the configured ``custom`` ones (FQCN strings or classes) in order. A class
 listed twice loads once, at its first position. Penalties are loaded too but kept apart: the
 sampler applies them at step 6, not through the generic lists.
@@ -38,6 +38,7 @@ from worker.logits_processor.errors import LogitsProcessorLoadError, ProcessorEr
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
 from worker.logits_processor.schema import declared_keys, json_schema
+from worker.logits_processor.structured import StructuredOutputsLogitsProcessor
 from worker.sampling_params import SamplingParams
 
 ENTRY_POINT_GROUP = "logitpool.logits_processors"
@@ -63,6 +64,7 @@ BUILTIN_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     BadWordsLogitsProcessor,
     MinTokensLogitsProcessor,
     LogitBiasLogitsProcessor,
+    StructuredOutputsLogitsProcessor,
     MinPLogitsProcessor,
 )
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1clogitpool/v1/logitpool.proto\x12\x0clogitpool.v1\"\xfc\x01\n\tJsonValue\x12,\n\nnull_value\x18\x01 \x01(\x0e\x32\x16.logitpool.v1.JsonNullH\x00\x12\x14\n\nbool_value\x18\x02 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x03 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x04 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x05 \x01(\tH\x00\x12,\n\nlist_value\x18\x06 \x01(\x0b\x32\x16.logitpool.v1.JsonListH\x00\x12\x30\n\x0cobject_value\x18\x07 \x01(\x0b\x32\x18.logitpool.v1.JsonObjectH\x00\x42\x06\n\x04kind\"3\n\x08JsonList\x12\'\n\x06values\x18\x01 \x03(\x0b\x32\x17.logitpool.v1.JsonValue\"\x8a\x01\n\nJsonObject\x12\x34\n\x06\x66ields\x18\x01 \x03(\x0b\x32$.logitpool.v1.JsonObject.FieldsEntry\x1a\x46\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.logitpool.v1.JsonValue:\x02\x38\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd7\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x11\n\tbad_words\x18\x0f \x03(\t\x12\x31\n\x11\x61llowed_token_ids\x18\x10 \x01(\x0b\x32\x16.logitpool.v1.TokenIds\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.logitpool.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x0c\x88\x01\x01\x12\x1a\n\rlogprobs_mode\x18\x13 \x01(\tH\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0e\x88\x01\x01\x12?\n\nextra_args\x18\x15 \x03(\x0b\x32+.logitpool.v1.SamplingParams.ExtraArgsEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1aI\n\x0e\x45xtraArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.logitpool.v1.JsonValue:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x10\n\x0e_logprobs_modeB\x16\n\x14_skip_special_tokens\"\xd4\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x16.logitpool.v1.TokenIdsH\x00\x12\x17\n\nrequest_id\x18\x03 \x01(\tH\x01\x88\x01\x01\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.logitpool.v1.SamplingParams\x12\x12\n\x05model\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_idB\x08\n\x06_model\"\x17\n\x15ListProcessorsRequest\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"L\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\"y\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.logitpool.v1.TopLogprob\x12\r\n\x05token\x18\x05 \x01(\t\"\xcc\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x12\x63umulative_logprob\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x30\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1e.logitpool.v1.PositionLogprobs\x12\r\n\x05\x65rror\x18\x07 \x01(\tB\x15\n\x13_cumulative_logprob\"y\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x18.logitpool.v1.Completion\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.logitpool.v1.Usage\"\x99\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.logitpool.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\x8e\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x1d.logitpool.v1.CompletionDelta\x12\'\n\x05usage\x18\x03 \x01(\x0b\x32\x13.logitpool.v1.UsageH\x00\x88\x01\x01\x42\x08\n\x06_usage\"\x9e\x01\n\rProcessorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x66qcn\x18\x02 \x01(\t\x12\x18\n\x10\x61rgmax_invariant\x18\x03 \x01(\x08\x12\x17\n\x0f\x65xtra_args_keys\x18\x04 \x03(\t\x12#\n\x16\x65xtra_args_schema_json\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\x19\n\x17_extra_args_schema_json\"I\n\x16ListProcessorsResponse\x12/\n\nprocessors\x18\x01 \x03(\x0b\x32\x1b.logitpool.v1.ProcessorInfo*\x19\n\x08JsonNull\x12\r\n\tJSON_NULL\x10\x00\x32\x8c\x02\n\tLogitPool\x12I\n\x08Generate\x12\x1d.logitpool.v1.GenerateRequest\x1a\x1e.logitpool.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.logitpool.v1.GenerateRequest\x1a$.logitpool.v1.GenerateStreamResponse0\x01\x12[\n\x0eListProcessors\x12#.logitpool.v1.ListProcessorsRequest\x1a$.logitpool.v1.ListProcessorsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1clogitpool/v1/logitpool.proto\x12\x0clogitpool.v1\"\xfc\x01\n\tJsonValue\x12,\n\nnull_value\x18\x01 \x01(\x0e\x32\x16.logitpool.v1.JsonNullH\x00\x12\x14\n\nbool_value\x18\x02 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x03 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x04 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x05 \x01(\tH\x00\x12,\n\nlist_value\x18\x06 \x01(\x0b\x32\x16.logitpool.v1.JsonListH\x00\x12\x30\n\x0cobject_value\x18\x07 \x01(\x0b\x32\x18.logitpool.v1.JsonObjectH\x00\x42\x06\n\x04kind\"3\n\x08JsonList\x12\'\n\x06values\x18\x01 \x03(\x0b\x32\x17.logitpool.v1.JsonValue\"\x8a\x01\n\nJsonObject\x12\x34\n\x06\x66ields\x18\x01 \x03(\x0b\x32$.logitpool.v1.JsonObject.FieldsEntry\x1a\x46\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.logitpool.v1.JsonValue:\x02\x38\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x94\x08\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x11\n\tbad_words\x18\x0f \x03(\t\x12\x31\n\x11\x61llowed_token_ids\x18\x10 \x01(\x0b\x32\x16.logitpool.v1.TokenIds\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.logitpool.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x0c\x88\x01\x01\x12\x1a\n\rlogprobs_mode\x18\x13 \x01(\tH\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0e\x88\x01\x01\x12?\n\nextra_args\x18\x15 \x03(\x0b\x32+.logitpool.v1.SamplingParams.ExtraArgsEntry\x12;\n\x12structured_outputs\x18\x16 \x01(\x0b\x32\x1f.logitpool.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1aI\n\x0e\x45xtraArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.logitpool.v1.JsonValue:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x10\n\x0e_logprobs_modeB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x8f\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x15.logitpool.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\xd4\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x16.logitpool.v1.TokenIdsH\x00\x12\x17\n\nrequest_id\x18\x03 \x01(\tH\x01\x88\x01\x01\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.logitpool.v1.SamplingParams\x12\x12\n\x05model\x18\x05 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_idB\x08\n\x06_model\"\x17\n\x15ListProcessorsRequest\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"L\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\"y\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.logitpool.v1.TopLogprob\x12\r\n\x05token\x18\x05 \x01(\t\"\xcc\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x12\x63umulative_logprob\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x30\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1e.logitpool.v1.PositionLogprobs\x12\r\n\x05\x65rror\x18\x07 \x01(\tB\x15\n\x13_cumulative_logprob\"y\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x18.logitpool.v1.Completion\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.logitpool.v1.Usage\"\x99\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.logitpool.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\x8e\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x1d.logitpool.v1.CompletionDelta\x12\'\n\x05usage\x18\x03 \x01(\x0b\x32\x13.logitpool.v1.UsageH\x00\x88\x01\x01\x42\x08\n\x06_usage\"\x9e\x01\n\rProcessorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x66qcn\x18\x02 \x01(\t\x12\x18\n\x10\x61rgmax_invariant\x18\x03 \x01(\x08\x12\x17\n\x0f\x65xtra_args_keys\x18\x04 \x03(\t\x12#\n\x16\x65xtra_args_schema_json\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\x19\n\x17_extra_args_schema_json\"I\n\x16ListProcessorsResponse\x12/\n\nprocessors\x18\x01 \x03(\x0b\x32\x1b.logitpool.v1.ProcessorInfo*\x19\n\x08JsonNull\x12\r\n\tJSON_NULL\x10\x00\x32\x8c\x02\n\tLogitPool\x12I\n\x08Generate\x12\x1d.logitpool.v1.GenerateRequest\x1a\x1e.logitpool.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.logitpool.v1.GenerateRequest\x1a$.logitpool.v1.GenerateStreamResponse0\x01\x12[\n\x0eListProcessors\x12#.logitpool.v1.ListProcessorsRequest\x1a$.logitpool.v1.ListProcessorsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS_EXTRAARGSENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_EXTRAARGSENTRY']._serialized_options = b'8\001'
-  _globals['_JSONNULL']._serialized_start=2895
-  _globals['_JSONNULL']._serialized_end=2920
+  _globals['_JSONNULL']._serialized_start=3130
+  _globals['_JSONNULL']._serialized_end=3155
   _globals['_JSONVALUE']._serialized_start=47
   _globals['_JSONVALUE']._serialized_end=299
   _globals['_JSONLIST']._serialized_start=301
@@ -50,33 +50,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=495
   _globals['_TOKENIDS']._serialized_end=518
   _globals['_SAMPLINGPARAMS']._serialized_start=521
-  _globals['_SAMPLINGPARAMS']._serialized_end=1504
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1154
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1202
-  _globals['_SAMPLINGPARAMS_EXTRAARGSENTRY']._serialized_start=1204
-  _globals['_SAMPLINGPARAMS_EXTRAARGSENTRY']._serialized_end=1277
-  _globals['_GENERATEREQUEST']._serialized_start=1507
-  _globals['_GENERATEREQUEST']._serialized_end=1719
-  _globals['_LISTPROCESSORSREQUEST']._serialized_start=1721
-  _globals['_LISTPROCESSORSREQUEST']._serialized_end=1744
-  _globals['_USAGE']._serialized_start=1746
-  _globals['_USAGE']._serialized_end=1825
-  _globals['_TOPLOGPROB']._serialized_start=1827
-  _globals['_TOPLOGPROB']._serialized_end=1903
-  _globals['_POSITIONLOGPROBS']._serialized_start=1905
-  _globals['_POSITIONLOGPROBS']._serialized_end=2026
-  _globals['_COMPLETION']._serialized_start=2029
-  _globals['_COMPLETION']._serialized_end=2233
-  _globals['_GENERATERESPONSE']._serialized_start=2235
-  _globals['_GENERATERESPONSE']._serialized_end=2356
-  _globals['_COMPLETIONDELTA']._serialized_start=2359
-  _globals['_COMPLETIONDELTA']._serialized_end=2512
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2515
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2657
-  _globals['_PROCESSORINFO']._serialized_start=2660
-  _globals['_PROCESSORINFO']._serialized_end=2818
-  _globals['_LISTPROCESSORSRESPONSE']._serialized_start=2820
-  _globals['_LISTPROCESSORSRESPONSE']._serialized_end=2893
-  _globals['_LOGITPOOL']._serialized_start=2923
-  _globals['_LOGITPOOL']._serialized_end=3191
+  _globals['_SAMPLINGPARAMS']._serialized_end=1565
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1215
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1263
+  _globals['_SAMPLINGPARAMS_EXTRAARGSENTRY']._serialized_start=1265
+  _globals['_SAMPLINGPARAMS_EXTRAARGSENTRY']._serialized_end=1338
+  _globals['_CHOICES']._serialized_start=1567
+  _globals['_CHOICES']._serialized_end=1593
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1596
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1739
+  _globals['_GENERATEREQUEST']._serialized_start=1742
+  _globals['_GENERATEREQUEST']._serialized_end=1954
+  _globals['_LISTPROCESSORSREQUEST']._serialized_start=1956
+  _globals['_LISTPROCESSORSREQUEST']._serialized_end=1979
+  _globals['_USAGE']._serialized_start=1981
+  _globals['_USAGE']._serialized_end=2060
+  _globals['_TOPLOGPROB']._serialized_start=2062
+  _globals['_TOPLOGPROB']._serialized_end=2138
+  _globals['_POSITIONLOGPROBS']._serialized_start=2140
+  _globals['_POSITIONLOGPROBS']._serialized_end=2261
+  _globals['_COMPLETION']._serialized_start=2264
+  _globals['_COMPLETION']._serialized_end=2468
+  _globals['_GENERATERESPONSE']._serialized_start=2470
+  _globals['_GENERATERESPONSE']._serialized_end=2591
+  _globals['_COMPLETIONDELTA']._serialized_start=2594
+  _globals['_COMPLETIONDELTA']._serialized_end=2747
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2750
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2892
+  _globals['_PROCESSORINFO']._serialized_start=2895
+  _globals['_PROCESSORINFO']._serialized_end=3053
+  _globals['_LISTPROCESSORSRESPONSE']._serialized_start=3055
+  _globals['_LISTPROCESSORSRESPONSE']._serialized_end=3128
+  _globals['_LOGITPOOL']._serialized_start=3158
+  _globals['_LOGITPOOL']._serialized_end=3426
 # @@protoc_insertion_point(module_scope)

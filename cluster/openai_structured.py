@@ -1,0 +1,157 @@
+"""OpenAI / vLLM structured-output request fields -> ``StructuredOutputsParams``, and tool calls.
+
+One constraint per request, from exactly one of: OpenAI ``response_format`` (``json_object`` or
+``json_schema``), vLLM's ``structured_outputs`` object, the older ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or (chat) ``tools`` with
+``tool_choice`` ``"required"`` or naming a function. What the server does not implement is a
+ValueError naming the field (HTTP 400), never silently ignored: ``tool_choice: "auto"`` (the
+server never decides on its own whether to call a tool), streaming tool calls, and the fields in
+``NOT_IMPLEMENTED``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from worker.structured_outputs import StructuredOutputsParams
+
+# Known OpenAI / vLLM request fields this server does not implement: a 400 naming them.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "guided_decoding_backend": "the backend is fixed (xgrammar)",
+    "guided_whitespace_pattern": "JSON is generated compactly",
+    "structural_tag": "structural tags are not supported",
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+    "prediction": "predicted outputs are not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "web_search_options": "web search is not supported",
+}
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+def reject_not_implemented(body: Any) -> None:
+    """ValueError for the first known-but-unimplemented field set in a request body."""
+    if isinstance(body, dict):
+        for name, why in NOT_IMPLEMENTED.items():
+            if body.get(name) is not None:
+                raise ValueError(f"{name}: not implemented by this server ({why})")
+
+
+def from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, source="response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise ValueError("response_format.json_schema: must be an object with a `schema` object")
+        unknown = sorted(set(js) - _JSON_SCHEMA_KEYS)
+        if unknown:
+            raise ValueError(f"response_format.json_schema: {', '.join(unknown)} not supported")
+        return StructuredOutputsParams(json=js["schema"], source="response_format.json_schema.schema")
+    raise ValueError(f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def structured_from_fields(
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None, guided: dict[str, Any]
+) -> StructuredOutputsParams | None:
+    """The one constraint the request fields ask for (or None); ValueError if several or invalid."""
+    found: list[tuple[str, StructuredOutputsParams | None]] = []
+    if response_format is not None:
+        found.append(("response_format", from_response_format(response_format)))
+    if structured_outputs is not None:
+        found.append(("structured_outputs", StructuredOutputsParams.from_dict(structured_outputs)))
+    for name in GUIDED:
+        if guided.get(name) is not None:
+            kind = name.removeprefix("guided_")
+            found.append((name, StructuredOutputsParams.from_dict({kind: guided[name]}, name=name)))
+    found = [(n, so) for n, so in found if so is not None]
+    if len(found) > 1:
+        raise ValueError(f"{found[1][0]}: give only one output constraint, got {', '.join(n for n, _ in found)}")
+    return found[0][1] if found else None
+
+
+# -- tools -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForcedTool:
+    """How the output becomes a tool call: ``name`` set = that function's arguments; else
+    ``{"name": ..., "arguments": {...}}`` for one of the tools (``tool_choice: "required"``)."""
+
+    name: str | None
+    constraint: StructuredOutputsParams
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}]: must be {{'type': 'function', 'function': {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}].function.name: must be a non-empty string")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema object")
+        out[name] = params
+    return out
+
+
+def forced_tool(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ForcedTool | None:
+    """The tool call ``tool_choice`` forces, None when no tool is to be called."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: requires tools")
+        return None
+    fns = _functions(tools)
+    if tool_choice == "none":
+        return None
+    if tool_choice is None or tool_choice == "auto":
+        raise ValueError(
+            "tool_choice: 'auto' (the default with tools) is not implemented: the server never decides on "
+            "its own whether to call a tool; give 'required', 'none' or {'type': 'function', 'function': {'name': ...}}"
+        )
+    if tool_choice == "required":
+        schema = {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+             "required": ["name", "arguments"], "additionalProperties": False}
+            for n, p in fns.items()
+        ]}
+        return ForcedTool(None, StructuredOutputsParams(json=schema, source="tools"))
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in fns:
+            raise ValueError(f"tool_choice.function.name: {name!r} is not one of the tools ({', '.join(fns)})")
+        return ForcedTool(name, StructuredOutputsParams(json=fns[name], source=f"tools[{name}].function.parameters"))
+    raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or a function, got {tool_choice!r}")
+
+
+def tool_call_message(tool: ForcedTool, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish_reason for a forced tool call.
+
+    Named function: ``finish_reason`` stays as generated (``stop``), as OpenAI answers a forced
+    function. ``required``: ``tool_calls``. Output cut by ``length`` that does not parse stays
+    plain content with ``length``.
+    """
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return {"role": "assistant", "content": text}, finish_reason
+    if tool.name is not None:
+        name, arguments = tool.name, text
+        reason = finish_reason
+    else:
+        name, arguments = parsed["name"], json.dumps(parsed["arguments"])
+        reason = "tool_calls"
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, reason
