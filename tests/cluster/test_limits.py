@@ -132,14 +132,21 @@ def test_request_limits_name_the_limit(kw, prompts, limit):
     check_request(BIG, params, prompts)  # within larger limits
 
 
-def test_extra_args_depth_is_checked_without_recursion():
+def _nested(depth: int) -> dict:
     deep: dict = {}
     node = deep
-    for _ in range(5000):
+    for _ in range(depth):
         node["a"] = {}
         node = node["a"]
+    return deep
+
+
+def test_extra_args_depth_is_checked_without_recursion():
     with pytest.raises(ValueError, match="limits.max_extra_args_depth"):
-        check_request(LIMITS, SamplingParams(extra_args=deep), 1)
+        check_request(LIMITS, SamplingParams(extra_args=_nested(50)), 1)
+    # Far past any limit, SamplingParams' own backstop answers first, still a ValueError.
+    with pytest.raises(ValueError, match="^extra_args"):
+        SamplingParams(extra_args=_nested(5000))
     check_request(LIMITS, SamplingParams(extra_args={"a": {"b": [1, {"c": 2}]}}), 1)
 
 
