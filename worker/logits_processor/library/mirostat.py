@@ -4,10 +4,10 @@ Per request, a running target ``mu`` (starts at ``2 * tau``): each step, tokens 
 ``-log2 p`` exceeds ``mu`` are removed (the top token always stays); after the token is drawn,
 ``mu -= eta * (surprise(token) - tau)``, the surprise measured on the truncated, renormalised
 distribution. The drawn token is read at the next step from the request's live output list;
-each row's truncated logits and their logsumexp are kept until then, in the row's state, so
-state follows the batch through ``BatchUpdate``. A token that distribution gave no mass (it was
-not drawn from it) leaves ``mu`` unchanged. Argmax-invariant: step 7b, after temperature; greedy
-rows are left alone.
+the truncated log-probs of each row are kept until then, in the row's state, so state follows
+the batch through ``BatchUpdate``. A token that distribution gave no mass (it was not drawn from
+it) leaves ``mu`` unchanged. Argmax-invariant: step 7b, after temperature; greedy rows are left
+alone.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ class _Row:
     eta: float
     mu: float
     output: list[int]  # live
-    seen: int = -1  # len(output) when `kept` was computed; -1: no step yet
-    kept: torch.Tensor | None = None  # [V] that step's truncated logits (-inf = removed)
-    lse: torch.Tensor | None = None  # their logsumexp: log p(token) = kept[token] - lse
+    seen: int = -1  # len(output) when `logp` was computed; -1: no step yet
+    logp: torch.Tensor | None = None  # [V] truncated, renormalised log-probs of that step
 
 
 class MirostatLogitsProcessor(LibraryProcessor[_Row]):
@@ -55,14 +54,14 @@ class MirostatLogitsProcessor(LibraryProcessor[_Row]):
 
     def _learn(self) -> None:
         """Update ``mu`` of every row whose previous step's token has arrived (one host read)."""
-        pending = [s for _, s in self.states.items() if s.kept is not None and len(s.output) > s.seen]
+        pending = [s for _, s in self.states.items() if s.logp is not None and len(s.output) > s.seen]
         if not pending:
             return
-        logps = torch.stack([s.kept[s.output[s.seen]] - s.lse for s in pending]).tolist()  # type: ignore[index,operator]
+        logps = torch.stack([s.logp[s.output[s.seen]] for s in pending if s.logp is not None]).tolist()
         for s, lp in zip(pending, logps):
             if math.isfinite(lp):
                 s.mu -= s.eta * (-lp / _LN2 - s.tau)
-            s.kept = s.lse = None
+            s.logp = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.states:
@@ -71,17 +70,16 @@ class MirostatLogitsProcessor(LibraryProcessor[_Row]):
         self._learn()
         states = [s for _, s in self.states.items()]
         sub = self.gather(logits)
-        # Surprise -log2 p <= mu  <=>  x >= logsumexp(x) - mu * ln 2: one exp pass, no log pass.
-        floor = self._stage([-s.mu * _LN2 for s in states], torch.float32)[:, None].to(sub.dtype)
-        keep = sub >= torch.logsumexp(sub, dim=-1, keepdim=True) + floor
-        # The top token has the highest logit: if it is kept nothing changes; if not, no token
-        # is, and it alone stays (llama.cpp keeps one; the lowest id among tied ones).
-        keep.scatter_(1, sub.argmax(-1, keepdim=True), True)
+        logp = torch.log_softmax(sub, dim=-1)
+        floor = self._stage([-s.mu * _LN2 for s in states], torch.float32)[:, None].to(logp.dtype)
+        keep = logp >= floor
+        # The top token has the highest log-prob: if it is kept nothing changes; if not, no
+        # token is, and it alone stays (llama.cpp keeps one).
+        keep.scatter_(1, logp.argmax(-1, keepdim=True), True)
         sub.masked_fill_(~keep, NEG_INF)
-        kept = sub.clone()  # later steps of the sampler write into sub
-        lse = torch.logsumexp(kept, dim=-1)
+        kept = torch.log_softmax(sub, dim=-1)
         for i, s in enumerate(states):
-            s.kept, s.lse, s.seen = kept[i], lse[i], len(s.output)
+            s.logp, s.seen = kept[i], len(s.output)
         return self.scatter(logits, sub)
 
     def is_argmax_invariant(self) -> bool:

@@ -82,10 +82,11 @@ class XTCLogitsProcessor(LibraryProcessor[_Row]):
         rows = self._stage([r for r, _ in firing], torch.int64)
         sub = logits if len(firing) == logits.shape[0] else logits.index_select(0, rows)
         # At most 1/threshold tokens reach the threshold: the top-k candidates hold them all, so
-        # two passes over the rows (logsumexp, topk) and the rest on [rows, k].
+        # two passes over the rows (log_softmax, topk) and the rest on [rows, k].
         k = min(sub.shape[1], int(1.0 / min(t for _, t in firing)) + 1)
-        vals, ids = torch.topk(sub, k, dim=-1)
-        probs = torch.exp(vals - torch.logsumexp(sub, dim=-1, keepdim=True))
+        logp = torch.log_softmax(sub, dim=-1)
+        lp, ids = torch.topk(logp, k, dim=-1)
+        probs = torch.exp(lp)
         top = probs >= self._stage([t for _, t in firing], torch.float32)[:, None].to(probs.dtype)
         lowest = torch.where(top, probs, torch.inf).amin(-1, keepdim=True)
         kept = torch.where(top & (probs == lowest), ids, -1).amax(-1, keepdim=True)  # ties: highest id stays
