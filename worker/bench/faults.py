@@ -32,6 +32,8 @@ def _kind(params: SamplingParams) -> str | None:
 
 
 class FaultInjectionProcessor(LogitsProcessor):
+    extra_args_keys = ("fault",)
+
     def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self._rows: RowStates[str] = RowStates(lambda params, _prompt, _out: _kind(params))
 

@@ -43,21 +43,10 @@ from worker.sampling_params import SamplingParams
 
 ENTRY_POINT_GROUP = "logitpool.logits_processors"
 
-# Built-ins read no extra_args (declared here, not in builtin.py, so the built-ins stay as written).
-_KEYLESS: frozenset[type] = frozenset(
-    {
-        AllowedTokenIdsLogitsProcessor,
-        BadWordsLogitsProcessor,
-        MinTokensLogitsProcessor,
-        LogitBiasLogitsProcessor,
-        MinPLogitsProcessor,
-        PenaltiesLogitsProcessor,
-    }
-)
-
-
 def _keys_of(cls: type) -> frozenset[str] | None:
-    return frozenset() if cls in _KEYLESS else declared_keys(cls)
+    # Built-ins read no extra_args (declared here, not in builtin.py, so the built-ins stay as written).
+    keyless = cls in BUILTIN_PROCESSORS or cls is PenaltiesLogitsProcessor
+    return frozenset() if keyless else declared_keys(cls)
 
 BUILTIN_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     AllowedTokenIdsLogitsProcessor,

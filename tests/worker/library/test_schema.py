@@ -142,3 +142,13 @@ def test_dry_breakers_schema_lists_token_sequences() -> None:
     props = json_schema(DRYLogitsProcessor)["properties"]  # type: ignore[index]
     jsonschema.validate({"dry_multiplier": 0.8, "dry_sequence_breakers": [[13], [25, 26]]}, json_schema(DRYLogitsProcessor))
     assert props["dry_sequence_breakers"]["type"] == "array"
+
+
+def test_the_default_registry_is_strict_every_built_in_reading_no_keys() -> None:
+    """Every built-in (structured outputs included) claims no extra_args, so a default worker
+    rejects a misspelt key instead of silently turning strict checking off."""
+    procs = _build()
+    assert procs.strict_extra_args
+    assert all(r["extra_args_keys"] is not None for r in procs.describe()), procs.describe()
+    with pytest.raises(ValueError, match="xtc_treshold"):
+        procs.validate_params(_p(xtc_treshold=0.5))
