@@ -123,6 +123,7 @@ applications:
         max_logprobs: {{ $v.engine.maxLogprobs | toJson }}
         seed: {{ $v.engine.seed | toJson }}
         logits_processors: {{ $v.logitsProcessors | toJson }}
+        strict_extra_args: {{ $v.engine.strictExtraArgs | toJson }}
       workers:
         {{- if $a.enabled }}
         num_replicas: null
