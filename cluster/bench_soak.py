@@ -264,12 +264,14 @@ async def http_request(hc: httpx.AsyncClient, base: str, path: str, body: Any, h
     hdrs = {"content-type": "application/json", **headers}
     r = await hc.post(f"{base}{path}", content=content.encode("utf-8", "surrogatepass"), headers=hdrs)
     result, detail = _http_result(r.status_code, r.text, ok_statuses)
-    if result == OK and '"error"' in r.text[:20000] and "data: " in r.text:
+    if result == OK and r.text.startswith("data: "):
         # A stream that already sent 200 reports failures as an error event.
-        event = next(json.loads(line[6:]) for line in r.text.splitlines()
-                     if line.startswith("data: ") and '"error"' in line)
-        code = event.get("error", {}).get("code")
-        return (UNAVAILABLE if code == 503 else FAULTED if code == 500 else UNEXPECTED), json.dumps(event)[:200]
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        errors = [e["error"] for e in events if "error" in e]
+        if errors:
+            code = errors[0].get("code")
+            return (UNAVAILABLE if code == 503 else FAULTED if code == 500 else UNEXPECTED), json.dumps(errors[0])[:200]
     return result, detail
 
 
