@@ -63,6 +63,12 @@ class EngineConfig(_Frozen):
     seed: int = 0
     logits_processors: tuple[str, ...] = ()
     """FQCNs `"dotted.module:ClassName"`, loaded once when a worker starts."""
+    block_size: PositiveInt = 16
+    """Tokens per paged-KV block."""
+    kv_cache_bytes: PositiveInt | None = None
+    """KV pool size; None = cuda: kv_cache_memory_fraction of free memory, cpu: max_num_seqs x max_model_len."""
+    kv_cache_memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
+    enable_prefix_caching: bool = True
 
     @field_validator("device")
     @classmethod

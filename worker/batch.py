@@ -17,8 +17,11 @@ from worker.logits_processor.interface import AddedRequest, BatchUpdate, MoveDir
 from worker.sampling_metadata import SamplingMetadata
 from worker.sampling_params import SamplingParams
 
-# (request id, params, prompt token ids, LIVE output token ids)
-NewRequest = tuple[str, SamplingParams, "list[int] | None", "list[int]"]
+# (request id, params, prompt token ids, LIVE output token ids[, the request's own generator])
+# A request that brings its generator (a preempted seeded one resuming) keeps its random stream.
+NewRequest = tuple[str, SamplingParams, "list[int] | None", "list[int]"] | tuple[
+    str, SamplingParams, "list[int] | None", "list[int]", "torch.Generator | None"
+]
 # Row order (request ids) after steps 1-4 -> the SWAP pairs of step 5.
 SwapPolicy = Callable[[list[str]], Sequence[tuple[int, int]]]
 
@@ -216,9 +219,9 @@ class PersistentBatch:
     # -- the one place rows are written and moved -------------------------------------------
 
     def _add(self, row: int, req: NewRequest) -> AddedRequest:
-        rid, params, prompt_ids, output_ids = req
-        gen = None
-        if params.seed is not None:
+        rid, params, prompt_ids, output_ids, *own = req
+        gen = own[0] if own else None
+        if gen is None and params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         self._rows[row] = _Row(rid, params, prompt_ids, output_ids, gen)
         self._index[rid] = row
