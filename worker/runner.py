@@ -1,7 +1,8 @@
 """ModelRunner: owns the paged KV storage and runs one flattened forward per engine step.
 
-KV lives in one pool of fixed-size blocks per layer, ``[num_blocks, block_size, kv_heads,
-head_dim]`` (the flash/paged layout), allocated once. The runner keeps no per-request state: each
+KV lives in one pool of fixed-size blocks per layer, ``[kv_heads, num_blocks, block_size,
+head_dim]``, allocated once (head-major: a gathered context is one contiguous matrix per head,
+which CPU SDPA reads fastest). The runner keeps no per-request state: each
 scheduled sequence brings its block table (``worker.kv`` does the bookkeeping), so moving or
 swapping rows of the persistent batch copies no KV, and blocks shared by a cached prefix are
 simply listed in several tables. Each step flattens all scheduled tokens — decode rows and prompt
@@ -21,6 +22,7 @@ from worker.attention import (
     DecodeRows,
     PromptChunk,
     StepMetadata,
+    head_major,
     prepared_mask_sentinel,
     register_attention,
 )
@@ -101,7 +103,7 @@ class ModelRunner:
         if not 1 <= max_len <= loaded.max_model_len:
             raise ValueError(f"max_model_len must be in [1, {loaded.max_model_len}], got {max_model_len}")
         layers, kv_heads, head_dim = kv_shape(loaded)
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        shape = (kv_heads, num_blocks, block_size, head_dim)
         # Zeros, not empty: masked positions get weight 0, and 0 * NaN garbage would still be NaN.
         kw = {"dtype": loaded.dtype, "device": loaded.device}
         self._k = tuple(torch.zeros(shape, **kw) for _ in range(layers))
@@ -115,6 +117,7 @@ class ModelRunner:
         self._device = loaded.device
         self._model.set_attn_implementation(register_attention())
         self._no_mask = prepared_mask_sentinel(loaded.device)
+        self._workspace: dict[str, torch.Tensor] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -178,15 +181,18 @@ class ModelRunner:
         sizes = [total, total, total, len(keep), len(dec_index), len(dec_index), len(padded), len(chunk_blocks)]
         t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_table, t_chunk_blocks = flat.split(sizes)
 
+        kvh, nb = self._k[0].shape[0], self.num_blocks
         decode = None
         if dec_index:
-            decode = DecodeRows(t_dec_index, t_table.view(len(dec_index), width), t_dec_lens, max(dec_lens))
+            table = t_table.view(len(dec_index), width)
+            decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens))
         chunks: list[PromptChunk] = []
         offset = 0
         for tok, n, start, used in chunk_args:
-            chunks.append(PromptChunk(tok, n, start, t_chunk_blocks[offset : offset + used]))
+            blocks = t_chunk_blocks[offset : offset + used]
+            chunks.append(PromptChunk(tok, n, start, blocks, head_major(blocks, kvh, nb)))
             offset += used
-        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks))
+        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace)
         return t_ids, t_pos, t_keep, meta
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
