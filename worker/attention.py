@@ -196,6 +196,10 @@ def paged_kv_attention(
     if meta is None:
         if kwargs.get("softcap"):  # SDPA cannot softcap: the model's own eager path can
             eager = sys.modules[type(module).__module__].eager_attention_forward
+            if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask
+                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min
+                )
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
