@@ -109,8 +109,8 @@ class Scheduler:
 
     def _admit(self, req: Request, out: SchedulerOutput) -> bool:
         """Admit the head of the queue if KV blocks allow its first chunk."""
-        if self.kv.enable_caching and any(r.parent_id == req.parent_id and not r.in_batch for r in self.running):
-            return False  # a sibling (n > 1) is prefilling the same prompt: wait and share its blocks
+        if self._prefix_in_flight(req):
+            return False
         hits = self.kv.computed_prefix(req)
         cached = len(hits) * self.kv.block_size
         n = min(req.num_tokens - cached, self._budget)
@@ -121,6 +121,17 @@ class Scheduler:
         self.running.append(req)
         self._put(out, req, n)
         return True
+
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """True if a prefilling sequence starts with the same full block (an n > 1 sibling, a chat turn).
+
+        Its blocks are cached only once computed, so admitting now would compute the shared prefix
+        twice; waiting until that prefill ends turns the whole shared prefix into cache hits.
+        """
+        first = self.kv.first_address(req)
+        return first is not None and any(
+            not r.in_batch and r.block_hashes[:1] == [first] for r in self.running
+        )
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Blocks for ``n`` more tokens of a running sequence, preempting the newest ones if needed.
