@@ -109,9 +109,9 @@ class Scheduler:
 
     def _admit(self, req: Request, out: SchedulerOutput) -> bool:
         """Admit the head of the queue if KV blocks allow its first chunk."""
-        if self._prefix_in_flight(req):
-            return False
         hits = self.kv.computed_prefix(req)
+        if self._prefix_in_flight(req, len(hits)):
+            return False
         cached = len(hits) * self.kv.block_size
         n = min(req.num_tokens - cached, self._budget)
         if not self.kv.allocate(req, n, hits):
@@ -122,15 +122,20 @@ class Scheduler:
         self._put(out, req, n)
         return True
 
-    def _prefix_in_flight(self, req: Request) -> bool:
-        """True if a prefilling sequence starts with the same full block (an n > 1 sibling, a chat turn).
+    def _prefix_in_flight(self, req: Request, num_hits: int) -> bool:
+        """True if a prefilling sequence is computing the block that would extend ``req``'s cache hit.
 
-        Its blocks are cached only once computed, so admitting now would compute the shared prefix
-        twice; waiting until that prefill ends turns the whole shared prefix into cache hits.
+        Blocks are cached once computed, so admitting now would compute that shared prefix twice
+        (n > 1 siblings, the same system prompt arriving together); waiting until the other
+        prefill ends turns it into cache hits.
         """
-        first = self.kv.first_address(req)
-        return first is not None and any(
-            not r.in_batch and r.block_hashes[:1] == [first] for r in self.running
+        if not self.kv.enable_caching or num_hits >= len(req.block_hashes):
+            return False
+        nxt = req.block_hashes[num_hits]
+        return any(
+            not r.in_batch and r.num_registered_blocks <= num_hits < len(r.block_hashes)
+            and r.block_hashes[num_hits] == nxt
+            for r in self.running
         )
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:

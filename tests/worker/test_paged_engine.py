@@ -230,3 +230,47 @@ def test_processors_see_preemption_as_removal_and_re_add(tiny_model) -> None:
         assert all(live[row] is engine.batch.output_ids_of(row) for row in live)
     assert engine.kv_stats()["num_preemptions"] > 0 and oracle.readded > 0
     assert oracle.compared > 100 and oracle.mismatches == []
+
+
+# ----------------------------------------------------------------------------- soak and CUDA
+
+
+def test_short_soak_frees_every_block_and_keeps_rss_flat(tiny_model) -> None:
+    """150 requests with churn, prefix hits and preemptions (the bench's --soak runs 1,000)."""
+    from worker.bench.engine import rss_mib
+
+    g = torch.Generator().manual_seed(9)
+    heads = [torch.randint(10, 2900, (24,), generator=g).tolist() for _ in range(3)]
+    engine = _engine(tiny_model, blocks=40, block_size=8, max_num_seqs=12)
+    rss_after_warmup = 0.0
+    for i in range(150):
+        own = torch.randint(10, 2900, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        params = SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i if i % 3 else None, ignore_eos=True,
+                                max_tokens=int(torch.randint(1, 12, (1,), generator=g)))
+        engine.add_request(f"s{i}", heads[i % 3] + own, params)
+        if i % 3 == 2:  # three arrivals per step: the pool runs short
+            engine.step()
+        if i == 50:
+            rss_after_warmup = rss_mib()[0]
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.kv_stats()
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["prefix_hit_rate"] > 0.2, stats
+    assert stats["blocks_used"] == 0 and all(r == 0 for r in engine.kv.pool.refcount)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert rss_mib()[0] - rss_after_warmup < 32  # MiB: no per-request growth
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_greedy_equals_generate_with_preemption(tiny_model_dir) -> None:
+    from worker.models import load_model
+
+    loaded = load_model(tiny_model_dir, device="cuda", dtype="float32")
+    prompts = _shared_prefix_prompts(loaded, 6, 37, seed=46)
+    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in prompts]
+    engine = _engine(loaded, blocks=16, block_size=8, max_num_batched_tokens=40)
+    done = _run(engine, reqs, stagger=1)
+    assert engine.kv_stats()["prefix_hit_tokens"] > 0
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"].outputs[0].token_ids == hf_greedy(loaded, p, 12)[0], f"request {i}"

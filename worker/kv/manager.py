@@ -60,12 +60,6 @@ class KVCacheManager:
             known.append(hash_block(known[-1] if known else None, req.token_slice(i * bs, (i + 1) * bs)))
         return known[:num_blocks]
 
-    def first_address(self, req: Sequenced) -> BlockHash | None:
-        """The address of the request's first block if a cache hit on it could be used, else None."""
-        if not self.enable_caching or req.num_tokens - 1 < self.block_size:
-            return None
-        return self._addresses(req, 1)[0]
-
     def computed_prefix(self, req: Sequenced) -> list[int]:
         """Cached blocks holding the longest prefix of a request with no blocks; never its last token.
 
