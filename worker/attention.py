@@ -153,7 +153,9 @@ def _packed_attention(
     return out.reshape(batch, heads, q_len, dim)
 
 
-def _gather(cache: torch.Tensor, head_blocks: torch.Tensor, workspace: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, head_blocks: torch.Tensor, workspace: dict[str, torch.Tensor], name: str
+) -> torch.Tensor:
     """[KVH, num_blocks, bs, D] -> [KVH * n, bs * D]: n listed blocks of every head, head-major.
 
     ``head_blocks`` indexes the cache viewed as [KVH * num_blocks] rows (see ``head_major``): one

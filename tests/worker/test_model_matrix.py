@@ -9,7 +9,6 @@ prompts, so the window really masks; Gemma 2 also softcaps attention logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest

@@ -332,7 +332,9 @@ def test_a_runner_step_builds_no_transformers_mask(tiny_model: LoadedModel) -> N
 
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, counting_mask)
     try:
-        runner.execute([ScheduledSeq([0, 1], list(range(10, 40)), 0, True), ScheduledSeq([2], list(range(50, 60)), 0, True)])
+        runner.execute(
+            [ScheduledSeq([0, 1], list(range(10, 40)), 0, True), ScheduledSeq([2], list(range(50, 60)), 0, True)]
+        )
         assert calls == []
         tiny_model.model(input_ids=torch.tensor([[1, 2, 3]], device=tiny_model.device))  # the fallback path
         assert calls  # proves the spy was live

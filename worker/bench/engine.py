@@ -111,7 +111,8 @@ async def amain(args: argparse.Namespace) -> None:
     if chosen & {"shared-prefix", "capacity", "pressure", "all"}:
         print("\n| workload | paged engine | comparison | transformers / other | ratio |\n|---|---|---|---|---|")
     if chosen & {"shared-prefix", "all"}:
-        print(workloads.shared_prefix(loaded, lambda *a: run_hf(*a, batched=True), n=args.prefix_requests, prefix=args.prefix_len, own=32,
+        hf_batch = lambda *a: run_hf(*a, batched=True)  # noqa: E731
+        print(workloads.shared_prefix(loaded, hf_batch, n=args.prefix_requests, prefix=args.prefix_len, own=32,
                                       new=32, budget=args.token_budget), flush=True)
     if chosen & {"capacity", "all"}:
         print(workloads.capacity(loaded, slots=64, slot_len=1024, prompt=args.capacity_len - args.capacity_new,
