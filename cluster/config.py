@@ -67,6 +67,12 @@ class EngineConfig(_Frozen):
     """FQCNs `"dotted.module:ClassName"`, loaded once when a worker starts."""
     strict_extra_args: bool = True
     """Reject `extra_args` keys no loaded processor declares (only while every one declares its keys)."""
+    block_size: PositiveInt = 16
+    """Tokens per paged-KV block."""
+    kv_cache_bytes: PositiveInt | None = None
+    """KV pool size; None = cuda: kv_cache_memory_fraction of free memory, cpu: max_num_seqs x max_model_len."""
+    kv_cache_memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
+    enable_prefix_caching: bool = True
 
     @field_validator("device")
     @classmethod

@@ -1,10 +1,16 @@
-"""The attention function the runner plugs into transformers: slot KV storage, flattened steps.
+"""The attention function the runner plugs into transformers: paged KV storage, flattened steps.
 
 A step's tokens (decode rows and prompt chunks of many requests) arrive as ONE ``[1, T]``
-sequence. ``slot_kv_attention`` writes every token's key/value into its request's KV slot, then
-attends: all one-token rows together in one SDPA call (per-row length mask), each multi-token
-chunk with a causal mask offset by the chunk's start. GQA is handled by packing the query heads
-of a KV head together, so keys and values are never repeated.
+sequence. ``paged_kv_attention`` writes every token's key/value into its slot of the block pool
+(``slot = block * block_size + offset``), then attends: all one-token rows together in one call
+(keys gathered through the padded block table, per-row length mask), each multi-token chunk
+over its own blocks with a causal mask offset by the chunk's start. GQA is handled by packing
+the query heads of a KV head together, so keys and values are never repeated.
+
+Per-layer sliding windows (Mistral, Gemma 2/3 local layers) are extra mask terms, built once
+per step per window size; attention logit softcapping (Gemma 2) replaces SDPA with an explicit
+``tanh`` softmax. Both arrive as the keyword arguments transformers passes every attention
+function (``sliding_window``, ``softcap``).
 
 The runner hands transformers an already-prepared (empty) 4D mask, so transformers builds none
 and this function applies causality and row lengths itself. Without the step metadata kwarg
@@ -14,8 +20,9 @@ registered with SDPA's mask builder, so padded ``generate()`` batches stay exact
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-ATTENTION_NAME = "logitpool_slot_kv"
+ATTENTION_NAME = "logitpool_paged_kv"
 METADATA_KWARG = "logitpool_step"
 
 
@@ -32,9 +39,10 @@ class DecodeRows:
     """All one-token rows of a step, attended in one batched call."""
 
     token_index: torch.Tensor  # [B] int64: position of the row's token in the flattened step
-    slots: torch.Tensor  # [B] int64: KV slot of the row
-    mask: torch.Tensor  # [B, 1, 1, max_len] bool: key j visible iff j < the row's length
-    max_len: int  # longest row context (KV positions read)
+    block_table: torch.Tensor  # [B, max_blocks] int64, padded with block 0 (masked out)
+    head_blocks: torch.Tensor  # [KVH * B * max_blocks] int64: ``head_major(block_table)``
+    lengths: torch.Tensor  # [B] int64: tokens in the row's context, its new token included
+    max_len: int  # longest row context (KV positions read), <= max_blocks * block_size
 
 
 @dataclass(frozen=True)
@@ -43,29 +51,61 @@ class PromptChunk:
 
     token_start: int  # first position in the flattened step
     num_tokens: int
-    slot: int
     start_pos: int
-    mask: torch.Tensor  # [num_tokens, start_pos + num_tokens] bool: causal, offset by start_pos
+    blocks: torch.Tensor  # [ceil((start_pos + num_tokens) / block_size)] int64: the blocks read
+    head_blocks: torch.Tensor  # ``head_major(blocks)``
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepMetadata:
     """Everything the attention function needs for one step; shared by all layers."""
 
-    k_cache: Sequence[torch.Tensor]  # per layer [slots, kv_heads, max_len, head_dim]
+    k_cache: Sequence[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
     v_cache: Sequence[torch.Tensor]
-    write_slots: torch.Tensor  # [T] int64: KV slot of each flattened token
-    write_pos: torch.Tensor  # [T] int64: KV position (= RoPE position) of each flattened token
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each flattened token
     decode: DecodeRows | None
     chunks: tuple[PromptChunk, ...]
+    # Gather buffers, owned by the runner and reused by every layer and step (see _gather).
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Masks per sliding window (None = full causal), built by the first layer that needs them.
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _chunk_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, max_len] bool: key j visible iff j < length (and j >= length - window)."""
+        mask = self._decode_masks.get(window)
+        if mask is None:
+            rows = self.decode
+            assert rows is not None
+            keys = torch.arange(rows.max_len, device=rows.lengths.device)[None, :]
+            mask = keys < rows.lengths[:, None]
+            if window is not None:
+                mask &= keys >= (rows.lengths - window)[:, None]
+            mask = self._decode_masks[window] = mask[:, None, None, :]
+        return mask
+
+    def chunk_mask(self, index: int, window: int | None) -> torch.Tensor:
+        """[n, start + n] bool: causal, offset by the chunk's start (and within the window)."""
+        mask = self._chunk_masks.get((index, window))
+        if mask is None:
+            chunk = self.chunks[index]
+            end = chunk.start_pos + chunk.num_tokens
+            device = chunk.blocks.device
+            keys = torch.arange(end, device=device)[None, :]
+            queries = torch.arange(chunk.start_pos, end, device=device)[:, None]
+            mask = keys <= queries
+            if window is not None:
+                mask &= keys > queries - window
+            self._chunk_masks[(index, window)] = mask
+        return mask
 
 
 def register_attention() -> str:
-    """Register the slot-KV attention function and its fallback's mask builder; return the name.
+    """Register the paged-KV attention function and its fallback's mask builder; return the name.
 
     Idempotent. The registries are transformers' process-wide ones (that is their design).
     """
-    AttentionInterface.register(ATTENTION_NAME, slot_kv_attention)
+    AttentionInterface.register(ATTENTION_NAME, paged_kv_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
     return ATTENTION_NAME
 
@@ -75,13 +115,29 @@ def prepared_mask_sentinel(device: torch.device) -> torch.Tensor:
     return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
 
 
-def _packed_sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Explicit softmax(cap * tanh(q k^T * scale / cap)) v, in float32 like the eager reference."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """GQA by packing: query [B, H, Q, D] with key/value [B, KVH, L, D] -> [B, H, Q, D].
 
-    Query heads sharing a KV head become extra query rows of that head, so one SDPA call
-    covers them without copying K/V. ``mask`` is [B, 1, Q, L] (or broadcastable) per query row.
+    Query heads sharing a KV head become extra query rows of that head, so one call covers them
+    without copying K/V. ``mask`` is [B, 1, Q, L] (or broadcastable) per query row.
     """
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -89,11 +145,45 @@ def _packed_sdpa(
     packed_q = query.reshape(batch, kv_heads, n_rep * q_len, dim)
     if n_rep > 1 and mask.shape[-2] > 1:
         mask = mask.repeat(1, 1, n_rep, 1)
-    out = F.scaled_dot_product_attention(packed_q, key, value, attn_mask=mask, scale=scaling)
+    if softcap:
+        scale = dim**-0.5 if scaling is None else scaling
+        out = _softcapped_attention(packed_q, key, value, mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(packed_q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, q_len, dim)
 
 
-def slot_kv_attention(
+def _gather(
+    cache: torch.Tensor, head_blocks: torch.Tensor, workspace: dict[str, torch.Tensor], name: str
+) -> torch.Tensor:
+    """[KVH, num_blocks, bs, D] -> [KVH * n, bs * D]: n listed blocks of every head, head-major.
+
+    ``head_blocks`` indexes the cache viewed as [KVH * num_blocks] rows (see ``head_major``): one
+    2D dim-0 index_select, which copies whole rows (3x faster on CPU than a 3D or dim-1 select),
+    into a reused buffer (a fresh multi-MB tensor per layer costs its page faults every time).
+    """
+    kv_heads, num_blocks, block_size, dim = cache.shape
+    rows = head_blocks.shape[0]
+    buf = workspace.get(name)
+    if buf is None or buf.shape[0] < rows:
+        buf = workspace[name] = cache.new_empty((max(rows, 2 * (0 if buf is None else buf.shape[0])), block_size * dim))
+    out = buf[:rows]
+    torch.index_select(cache.view(kv_heads * num_blocks, block_size * dim), 0, head_blocks, out=out)
+    return out
+
+
+def head_major(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Block ids [n] -> row ids [KVH * n] of the cache viewed as [KVH * num_blocks, ...]."""
+    heads = torch.arange(kv_heads, device=blocks.device)[:, None] * num_blocks
+    return (heads + blocks[None, :]).view(-1)
+
+
+def _window(kwargs: dict) -> int | None:
+    window = kwargs.get("sliding_window")
+    return int(window) if window else None
+
+
+def paged_kv_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -106,29 +196,45 @@ def slot_kv_attention(
     """query [1, H, T, D], key/value [1, KVH, T, D] (RoPE applied) -> ([1, T, H, D], None)."""
     meta: StepMetadata | None = kwargs.pop(METADATA_KWARG, None)
     if meta is None:
+        if kwargs.get("softcap"):  # SDPA cannot softcap: the model's own eager path can
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask
+                attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min
+                )
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     layer = module.layer_idx
+    window, softcap = _window(kwargs), kwargs.get("softcap")
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
-    # Write first, then read everything back from the slots: a row's own new token included.
-    k_cache[meta.write_slots, :, meta.write_pos] = key[0].transpose(0, 1)
-    v_cache[meta.write_slots, :, meta.write_pos] = value[0].transpose(0, 1)
+    kv_heads, num_blocks, block_size, dim = k_cache.shape
+    # Write first, then read everything back from the blocks: a row's own new token included.
+    k_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, key[0])
+    v_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, value[0])
 
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
     if meta.decode is not None:
         rows = meta.decode
-        keys = k_cache[:, :, : rows.max_len].index_select(0, rows.slots)
-        values = v_cache[:, :, : rows.max_len].index_select(0, rows.slots)
+        batch = rows.block_table.shape[0]
+        # [B, blocks, bs, KVH, D] -> [B, KVH, L, D] (a strided view: SDPA reads it as is)
+        # Head-major blocks: the gather copies whole [block_size, D] pieces, and each (row, head)
+        # of the result is one contiguous [L, D] matrix, as SDPA likes it.
+        ws = meta.workspace
+        keys = _gather(k_cache, rows.head_blocks, ws, "k").view(kv_heads, batch, -1, dim)[:, :, : rows.max_len]
+        values = _gather(v_cache, rows.head_blocks, ws, "v").view(kv_heads, batch, -1, dim)[:, :, : rows.max_len]
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         row_q = q.index_select(0, rows.token_index).unsqueeze(2)  # [B, H, 1, D]
-        out[rows.token_index] = _packed_sdpa(row_q, keys, values, rows.mask, scaling).squeeze(2)
-    for chunk in meta.chunks:
+        attended = _packed_attention(row_q, keys, values, meta.decode_mask(window), scaling, softcap)
+        out[rows.token_index] = attended.squeeze(2)
+    for i, chunk in enumerate(meta.chunks):
         end = chunk.start_pos + chunk.num_tokens
         stop = chunk.token_start + chunk.num_tokens
         chunk_q = q[chunk.token_start : stop].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        keys = k_cache[chunk.slot, :, :end].unsqueeze(0)
-        values = v_cache[chunk.slot, :, :end].unsqueeze(0)
-        attended = _packed_sdpa(chunk_q, keys, values, chunk.mask[None, None], scaling)
+        keys = _gather(k_cache, chunk.head_blocks, meta.workspace, "k").view(1, kv_heads, -1, dim)[:, :, :end]
+        values = _gather(v_cache, chunk.head_blocks, meta.workspace, "v").view(1, kv_heads, -1, dim)[:, :, :end]
+        attended = _packed_attention(chunk_q, keys, values, meta.chunk_mask(i, window)[None, None], scaling, softcap)
         out[chunk.token_start : stop] = attended[0].transpose(0, 1)
     return out.unsqueeze(0), None

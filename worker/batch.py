@@ -17,8 +17,11 @@ from worker.logits_processor.interface import AddedRequest, BatchUpdate, MoveDir
 from worker.sampling_metadata import SamplingMetadata
 from worker.sampling_params import SamplingParams
 
-# (request id, params, prompt token ids, LIVE output token ids)
-NewRequest = tuple[str, SamplingParams, "list[int] | None", "list[int]"]
+# (request id, params, prompt token ids, LIVE output token ids[, the request's own generator])
+# A request that brings its generator (a preempted seeded one resuming) keeps its random stream.
+NewRequest = tuple[str, SamplingParams, "list[int] | None", "list[int]"] | tuple[
+    str, SamplingParams, "list[int] | None", "list[int]", "torch.Generator | None"
+]
 # Row order (request ids) after steps 1-4 -> the SWAP pairs of step 5.
 SwapPolicy = Callable[[list[str]], Sequence[tuple[int, int]]]
 
@@ -125,15 +128,6 @@ class PersistentBatch:
             c.name: torch.full((max_num_reqs,), c.default, dtype=c.dtype, pin_memory=pin_memory) for c in COLUMNS
         }
         self._metadata: SamplingMetadata | None = None
-        self._carried_generators: dict[str, torch.Generator] = {}
-
-    def carry_generators(self, generators: dict[str, torch.Generator]) -> None:
-        """Generators of requests about to be re-added (by id) after the batch was rebuilt."""
-        self._carried_generators.update(generators)
-
-    def generators(self) -> dict[str, torch.Generator]:
-        """Every row's own generator, by request id."""
-        return {r.req_id: r.generator for r in map(self._row, range(self._num_reqs)) if r.generator is not None}
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -236,9 +230,9 @@ class PersistentBatch:
     # -- the one place rows are written and moved -------------------------------------------
 
     def _add(self, row: int, req: NewRequest) -> AddedRequest:
-        rid, params, prompt_ids, output_ids = req
-        # A request re-added after a rebuild keeps its generator (its stream continues).
-        gen = self._carried_generators.pop(rid, None)
+        rid, params, prompt_ids, output_ids, *own = req
+        # The request's own generator when it has one (it survives preemption and rebuilds).
+        gen = own[0] if own else None
         if gen is None and params.seed is not None:
             gen = seeded_generator(params.seed, self.device)
         self._rows[row] = _Row(rid, params, prompt_ids, output_ids, gen)

@@ -35,6 +35,13 @@ class EngineConfig:
     # Reorder the persistent batch with SWAP moves so rows that will finish first sit at the
     # tail, where removing them needs no condense moves.
     reorder_batch: bool = True
+    # Paged KV cache: tokens per block, and the pool's size. kv_cache_bytes when set; else on CUDA
+    # kv_cache_memory_fraction of the free memory after loading; else (CPU) max_num_seqs x max_model_len.
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    # Reuse the KV of cached full blocks for requests sharing a prefix (chat turns, n > 1).
+    enable_prefix_caching: bool = True
 
     def as_kwargs(self) -> dict[str, object]:
         """Plain fields for another process (processors by name only: no code travels)."""
@@ -57,5 +64,11 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes: must be >= 1, got {self.kv_cache_bytes}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")

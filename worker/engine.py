@@ -20,17 +20,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.batch import PersistentBatch
+from worker.batch import PersistentBatch, seeded_generator
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer, rust_tokenizer
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
+from worker.kv.manager import KVCacheManager
 from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.reorder import tail_swaps
 from worker.request import Request
-from worker.runner import ModelRunner, ScheduledSeq
+from worker.runner import ModelRunner, ScheduledSeq, num_blocks_for
 from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
 from worker.sampling_params import SamplingParams
 from worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -69,17 +70,23 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.max_model_len)
         self.pin_memory = self.device.type == "cuda"
-        self.runner = ModelRunner(loaded, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+        num_blocks = num_blocks_for(
+            loaded, config.block_size, kv_cache_bytes=config.kv_cache_bytes,
+            memory_fraction=config.kv_cache_memory_fraction,
+            default_tokens=config.max_num_seqs * self.max_model_len,
+        )
+        self.runner = ModelRunner(
+            loaded, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         logger.info(
-            "KV storage: %.1f MiB for %d sequences x %d tokens",
-            self.runner.kv_cache_bytes / 2**20, config.max_num_seqs, self.max_model_len,
+            "KV storage: %d blocks x %d tokens = %d tokens, %.1f MiB; prefix caching %s",
+            num_blocks, config.block_size, self.kv.capacity_tokens, self.runner.kv_cache_bytes / 2**20,
+            "on" if config.enable_prefix_caching else "off",
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            allocate_slot=self.runner.allocate_slot,
-            free_slot=self.runner.free_slot,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, kv=self.kv
         )
         self._build_batch_state()
         self._parents: dict[str, _Parent] = {}
@@ -117,6 +124,12 @@ class LLMEngine:
         """Validate and build a request without admitting it (so a batch can be checked first)."""
         self.validate(params)
         ids = self.validator.tokenize(prompt)
+        need = min(len(ids) + params.max_tokens, self.max_model_len)
+        if need > self.kv.capacity_tokens:
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} tokens "
+                f"of KV cache, more than the whole pool ({self.kv.capacity_tokens} tokens)"
+            )
         request_id = request_id or uuid.uuid4().hex
         children = []
         for i in range(params.n):
@@ -130,7 +143,10 @@ class LLMEngine:
             detok = IncrementalDetokenizer(
                 self._backend, ids, stop=child_params.stop, skip_special_tokens=child_params.skip_special_tokens
             )
-            children.append(Request(child_id, request_id, i, ids, child_params, detok))
+            child = Request(child_id, request_id, i, ids, child_params, detok)
+            if child_params.seed is not None:
+                child.generator = seeded_generator(child_params.seed, self.device)
+            children.append(child)
         return _Parent(request_id, prompt if isinstance(prompt, str) else None, ids, children)
 
     def add_prepared(self, parent: _Parent) -> None:
@@ -160,6 +176,10 @@ class LLMEngine:
     def num_waiting(self) -> int:
         """Sequences queued for admission."""
         return len(self.scheduler.waiting)
+
+    def kv_stats(self) -> dict[str, float]:
+        """KV pool and prefix-cache counters for /metrics (blocks, hit rate, preemptions)."""
+        return {**self.kv.stats(), "num_preemptions": self.scheduler.num_preemptions}
 
     def batch_request_ids(self) -> list[str]:
         """The user request id of every row of the persistent batch, in row order."""
@@ -229,7 +249,7 @@ class LLMEngine:
 
     def _update_batch(self, sched: SchedulerOutput) -> bool:
         """Persistent-batch update, then every processor's ``update_state``; False: skip the step."""
-        joining = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in sched.joining]
+        joining = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sched.joining]
         try:
             update = self.batch.update(sched.finished_ids, joining, swaps=self._swaps)
         except Exception as exc:
@@ -251,7 +271,7 @@ class LLMEngine:
         """The forward over every scheduled chunk; on failure those requests end with `error`."""
         if not rows and not partial:
             return None
-        seqs = [ScheduledSeq(c.request.slot, c.token_ids, c.start_pos, c.sample) for c in rows + partial]
+        seqs = [ScheduledSeq(c.request.block_ids, c.token_ids, c.start_pos, c.sample) for c in rows + partial]
         try:
             logits = self.runner.execute(seqs)
         except Exception as exc:
@@ -262,6 +282,7 @@ class LLMEngine:
             return None
         for c in rows + partial:
             c.request.num_computed_tokens = c.start_pos + len(c.token_ids)
+            self.kv.register_full_blocks(c.request)
         self.num_steps += 1
         return logits
 
@@ -410,15 +431,13 @@ class LLMEngine:
         """
         for req in failed:
             self._finish(req, FinishReason.ERROR, error=error)
-        generators = self.batch.generators()
         self.scheduler.forget_batch()
         self._build_batch_state()
         self.num_restarts += 1
         if not survivors:
             return []
-        ids = {r.request_id for r in survivors}
-        self.batch.carry_generators({rid: gen for rid, gen in generators.items() if rid in ids})
-        rejoin = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids) for r in survivors]
+        # Seeded survivors keep their own generators (held by the request), so their streams go on.
+        rejoin = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in survivors]
         update = self.batch.update([], rejoin)
         try:
             self.processors.update_state(update)

@@ -1,8 +1,8 @@
 """Load Hugging Face causal LMs for the runner, and build a tiny local Llama for tests and demos.
 
 ``load_model`` refuses (``ValueError``) every model the runner's attention function does not
-compute exactly: it implements plain causal softmax attention over full context with GQA, so
-sliding windows, softcapping, sinks, MLA, linear/SSM hybrids and multi-axis RoPE are out.
+compute exactly: it implements causal softmax attention with GQA, per-layer sliding windows and
+logit softcapping, so sinks, MLA, chunked attention, linear/SSM hybrids and multi-axis RoPE are out.
 """
 
 from __future__ import annotations
@@ -104,17 +104,14 @@ def unsupported_reason(config: Any) -> str | None:
     modalities = [a for a in ("vision_config", "audio_config", "speech_config") if getattr(config, a, None)]
     if modalities:
         return f"multimodal models ({', '.join(modalities)}) are not supported"
-    if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
-        return f"sliding-window attention (sliding_window={text.sliding_window}) is not supported"
     layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        kinds = sorted({t for t in layer_types if t != "full_attention"})
-        return f"layer types {kinds} (only 'full_attention' is supported)"
+    supported = ("full_attention", "sliding_attention")
+    if layer_types is not None and any(t not in supported for t in layer_types):
+        kinds = sorted({t for t in layer_types if t not in supported})
+        return f"layer types {kinds} (only {list(supported)} are supported)"
     for attr in ("layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "linear_attn_config"):
         if getattr(text, attr, None) is not None:
             return f"hybrid linear-attention/SSM models ({attr}) are not supported"
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping is not supported"
     if getattr(text, "kv_lora_rank", None) is not None or getattr(text, "q_lora_rank", None) is not None:
         return "multi-head latent attention (MLA) is not supported"
     v_dim, qk_dim = getattr(text, "v_head_dim", None), getattr(text, "qk_head_dim", None)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from worker.detokenizer import IncrementalDetokenizer
+from worker.kv.prefix_cache import BlockHash
 from worker.outputs import FinishReason, PositionLogprobs
 from worker.sampling_params import SamplingParams
 
@@ -21,7 +24,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is written.
     num_computed_tokens: int = 0
-    slot: int | None = None
+    # KV blocks holding this sequence's tokens, in order (worker.kv.manager owns these three).
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    # Seeded requests keep one generator for life, so a preempted one resumes its random stream.
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
     in_batch: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -45,6 +54,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -52,6 +70,11 @@ class Request:
     @property
     def prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.prompt_len
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not written yet (1 while decoding; all of them after a preemption)."""
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def remaining_tokens(self) -> int:

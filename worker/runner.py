@@ -1,14 +1,17 @@
-"""ModelRunner: owns the KV slots and runs one flattened forward per engine step.
+"""ModelRunner: owns the paged KV storage and runs one flattened forward per engine step.
 
-Requests point to KV slots (the runner hands them out, the engine remembers a request's slot),
-so moving or swapping rows of the persistent batch copies no KV. Each step flattens all
-scheduled tokens — decode rows and prompt chunks alike — into one ``[1, T]`` sequence with
-explicit position ids and runs the model once; ``worker.attention`` does the rest.
+KV lives in one pool of fixed-size blocks per layer, ``[kv_heads, num_blocks, block_size,
+head_dim]``, allocated once (head-major: a gathered context is one contiguous matrix per head,
+which CPU SDPA reads fastest). The runner keeps no per-request state: each
+scheduled sequence brings its block table (``worker.kv`` does the bookkeeping), so moving or
+swapping rows of the persistent batch copies no KV, and blocks shared by a cached prefix are
+simply listed in several tables. Each step flattens all scheduled tokens — decode rows and prompt
+chunks alike — into one ``[1, T]`` sequence with explicit position ids and runs the model once;
+``worker.attention`` does the rest.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,136 +22,178 @@ from worker.attention import (
     DecodeRows,
     PromptChunk,
     StepMetadata,
+    head_major,
     prepared_mask_sentinel,
     register_attention,
 )
 from worker.models import LoadedModel
 
+DEFAULT_BLOCK_SIZE = 16
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    slot: int  # KV slot of the request
+    block_ids: Sequence[int]  # the request's block table (at least the blocks this step touches)
     token_ids: list[int]  # tokens to run this step (a prompt chunk, or the 1 last sampled token)
-    start_pos: int  # how many tokens of this request are already in the KV slot
+    start_pos: int  # how many tokens of this request are already in its KV blocks
     sample: bool  # True if this seq's last position produces logits this step
 
 
-class ModelRunner:
-    """Preallocated slot KV cache + one forward per step for any mix of decode rows and chunks.
+def kv_shape(loaded: LoadedModel) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of the model's attention."""
+    text = loaded.config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return int(text.num_hidden_layers), int(kv_heads), int(head_dim)
 
-    Side effect: switches ``loaded.model`` to the registered slot-KV attention; calls without
+
+def block_bytes(loaded: LoadedModel, block_size: int) -> int:
+    """Bytes one block takes over all layers, keys and values."""
+    layers, kv_heads, head_dim = kv_shape(loaded)
+    return 2 * layers * block_size * kv_heads * head_dim * loaded.dtype.itemsize
+
+
+def num_blocks_for(
+    loaded: LoadedModel,
+    block_size: int,
+    *,
+    kv_cache_bytes: int | None,
+    memory_fraction: float,
+    default_tokens: int,
+) -> int:
+    """How many blocks the KV budget holds.
+
+    ``kv_cache_bytes`` when given; else on CUDA ``memory_fraction`` of the free device memory
+    (after the weights are loaded); else (CPU) room for ``default_tokens`` tokens.
+    """
+    per_block = block_bytes(loaded, block_size)
+    if kv_cache_bytes is not None:
+        budget = kv_cache_bytes
+    elif loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        budget = int(free * memory_fraction)
+    else:
+        budget = -(-default_tokens // block_size) * per_block
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_bytes: {budget} bytes hold no KV block of {per_block} bytes")
+    return int(blocks)
+
+
+class ModelRunner:
+    """Preallocated paged KV cache + one forward per step for any mix of decode rows and chunks.
+
+    Side effect: switches ``loaded.model`` to the registered paged-KV attention; calls without
     the step metadata (``model.generate()``) still run transformers' SDPA.
     """
 
-    def __init__(self, loaded: LoadedModel, *, max_num_seqs: int, max_model_len: int | None = None):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_model_len: int | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         max_len = loaded.max_model_len if max_model_len is None else max_model_len
         if not 1 <= max_len <= loaded.max_model_len:
             raise ValueError(f"max_model_len must be in [1, {loaded.max_model_len}], got {max_model_len}")
-        text = loaded.config.get_text_config()
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        shape = (max_num_seqs, kv_heads, max_len, head_dim)
+        layers, kv_heads, head_dim = kv_shape(loaded)
+        shape = (kv_heads, num_blocks, block_size, head_dim)
         # Zeros, not empty: masked positions get weight 0, and 0 * NaN garbage would still be NaN.
         kw = {"dtype": loaded.dtype, "device": loaded.device}
-        self._k = tuple(torch.zeros(shape, **kw) for _ in range(text.num_hidden_layers))
-        self._v = tuple(torch.zeros(shape, **kw) for _ in range(text.num_hidden_layers))
+        self._k = tuple(torch.zeros(shape, **kw) for _ in range(layers))
+        self._v = tuple(torch.zeros(shape, **kw) for _ in range(layers))
         self.kv_cache_bytes: int = sum(t.numel() * t.element_size() for t in self._k + self._v)
-        self.max_num_seqs = max_num_seqs
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.max_model_len = max_len
         self.vocab_size = loaded.vocab_size
         self._model = loaded.model
         self._device = loaded.device
         self._model.set_attn_implementation(register_attention())
         self._no_mask = prepared_mask_sentinel(loaded.device)
-        self._free = list(range(max_num_seqs))  # a min-heap: the lowest free slot goes first
-        self._lengths: list[int | None] = [None] * max_num_seqs  # tokens in the slot; None = free
-
-    # ------------------------------------------------------------------ slots
-
-    def allocate_slot(self) -> int:
-        if not self._free:
-            raise RuntimeError(f"no free KV slot (all {self.max_num_seqs} in use)")
-        slot = heapq.heappop(self._free)
-        self._lengths[slot] = 0
-        return slot
-
-    def free_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.max_num_seqs or self._lengths[slot] is None:
-            raise ValueError(f"slot {slot} is not allocated")
-        self._lengths[slot] = None
-        heapq.heappush(self._free, slot)
+        self._workspace: dict[str, torch.Tensor] = {}
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
     # ------------------------------------------------------------------ step
 
     def _check(self, seqs: Sequence[ScheduledSeq]) -> None:
-        seen: set[int] = set()
-        for s in seqs:
-            if not 0 <= s.slot < self.max_num_seqs or self._lengths[s.slot] is None:
-                raise ValueError(f"slot {s.slot} is not allocated")
-            if s.slot in seen:
-                raise ValueError(f"slot {s.slot} scheduled twice in one step")
-            seen.add(s.slot)
+        written: set[int] = set()
+        bs = self.block_size
+        for i, s in enumerate(seqs):
             if not s.token_ids:
-                raise ValueError(f"slot {s.slot}: no tokens scheduled")
-            if not 0 <= s.start_pos <= self._lengths[s.slot]:
-                raise ValueError(
-                    f"slot {s.slot}: start_pos {s.start_pos} but the slot holds {self._lengths[s.slot]} tokens"
-                )
-            if s.start_pos + len(s.token_ids) > self.max_model_len:
-                raise ValueError(
-                    f"slot {s.slot}: {s.start_pos + len(s.token_ids)} tokens exceed max_model_len {self.max_model_len}"
-                )
+                raise ValueError(f"seq {i}: no tokens scheduled")
+            end = s.start_pos + len(s.token_ids)
+            if s.start_pos < 0 or end > self.max_model_len:
+                raise ValueError(f"seq {i}: {end} tokens exceed max_model_len {self.max_model_len}")
+            if len(s.block_ids) * bs < end:
+                raise ValueError(f"seq {i}: {len(s.block_ids)} blocks cannot hold {end} tokens")
+            used = s.block_ids[: -(-end // bs)]
+            if any(not 0 <= b < self.num_blocks for b in used):
+                raise ValueError(f"seq {i}: block ids must be in [0, {self.num_blocks})")
+            for b in s.block_ids[s.start_pos // bs : -(-end // bs)]:
+                if b in written:
+                    raise ValueError(f"seq {i}: block {b} is written by two sequences in one step")
+                written.add(b)
 
     def _metadata(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata]:
         """Build every index tensor of the step from Python lists, with one host-to-device copy."""
+        bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         keep: list[int] = []
         dec_index: list[int] = []
-        dec_slots: list[int] = []
         dec_lens: list[int] = []
+        dec_tables: list[Sequence[int]] = []
+        chunk_blocks: list[int] = []
         chunk_args: list[tuple[int, int, int, int]] = []
         for s in seqs:
             n, start = len(s.token_ids), len(ids)
+            end = s.start_pos + n
             ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.start_pos + n))
-            slots.extend([s.slot] * n)
+            pos.extend(range(s.start_pos, end))
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s.start_pos, end))
             if s.sample:
                 keep.append(start + n - 1)
+            used = -(-end // bs)
             if n == 1:
                 dec_index.append(start)
-                dec_slots.append(s.slot)
-                dec_lens.append(s.start_pos + 1)
+                dec_lens.append(end)
+                dec_tables.append(table[:used])
             else:
-                chunk_args.append((start, n, s.slot, s.start_pos))
+                chunk_args.append((start, n, s.start_pos, used))
+                chunk_blocks.extend(table[:used])
+        width = max(map(len, dec_tables), default=0)
+        padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
         total = len(ids)
-        flat = torch.tensor(ids + pos + slots + keep + dec_index + dec_slots + dec_lens, dtype=torch.long)
+        flat = torch.tensor(ids + pos + slots + keep + dec_index + dec_lens + padded + chunk_blocks, dtype=torch.long)
         flat = flat.to(self._device, non_blocking=True)
-        sizes = [total, total, total, len(keep), len(dec_index), len(dec_index), len(dec_index)]
-        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_slots, t_dec_lens = flat.split(sizes)
+        sizes = [total, total, total, len(keep), len(dec_index), len(dec_index), len(padded), len(chunk_blocks)]
+        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_table, t_chunk_blocks = flat.split(sizes)
 
+        kvh, nb = self._k[0].shape[0], self.num_blocks
         decode = None
         if dec_index:
-            max_len = max(dec_lens)
-            visible = torch.arange(max_len, device=self._device)[None, :] < t_dec_lens[:, None]
-            decode = DecodeRows(t_dec_index, t_dec_slots, visible[:, None, None, :], max_len)
-        chunks = tuple(
-            PromptChunk(tok, n, slot, start, self._causal_mask(start, n)) for tok, n, slot, start in chunk_args
-        )
-        meta = StepMetadata(self._k, self._v, t_slots, t_pos, decode, chunks)
+            table = t_table.view(len(dec_index), width)
+            decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens))
+        chunks: list[PromptChunk] = []
+        offset = 0
+        for tok, n, start, used in chunk_args:
+            blocks = t_chunk_blocks[offset : offset + used]
+            chunks.append(PromptChunk(tok, n, start, blocks, head_major(blocks, kvh, nb)))
+            offset += used
+        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace)
         return t_ids, t_pos, t_keep, meta
-
-    def _causal_mask(self, start: int, n: int) -> torch.Tensor:
-        keys = torch.arange(start + n, device=self._device)
-        queries = torch.arange(start, start + n, device=self._device)
-        return keys[None, :] <= queries[:, None]
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order."""
@@ -165,6 +210,4 @@ class ModelRunner:
                 logits_to_keep=keep,
                 **{METADATA_KWARG: meta},
             )
-        for s in seqs:
-            self._lengths[s.slot] = s.start_pos + len(s.token_ids)
         return out.logits[0]

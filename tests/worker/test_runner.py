@@ -3,7 +3,8 @@
 Oracles: ``model.generate(do_sample=False)`` per request (transformers' own cache and SDPA), and
 a plain cache-free forward of the full sequence. The runner is driven directly, with a small
 scheduler in this file that produces churn: joins mid-way, prompts chunked under a token budget
-and mixed with decode rows in one forward, rows reordered every step, slots freed and reused.
+and mixed with decode rows in one forward, rows reordered every step, KV blocks freed and reused
+(handed out in a shuffled order, so a request's blocks are scattered over the pool).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worker.kv.block_pool import BlockPool
 from worker.models import LoadedModel, load_model
-from worker.runner import ModelRunner, ScheduledSeq
+from worker.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
 
 ATOL = 2e-4  # float32; batched vs single-request logits differ by ~2e-5 on this model
 TIE_GAP = 1e-4  # greedy picks closer than this may flip with summation order
@@ -43,8 +45,8 @@ class _Req:
     prompt: list[int]
     max_new: int
     arrival: int
-    slot: int | None = None
-    computed: int = 0  # tokens in the KV slot
+    blocks: list[int] | None = None
+    computed: int = 0  # tokens in the KV blocks
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     done: bool = False
@@ -87,33 +89,42 @@ def _assert_matches_reference(loaded: LoadedModel, reqs: list[_Req]) -> None:
 def _run_with_churn(
     runner: ModelRunner, reqs: list[_Req], eos: frozenset[int], budget: int, rng: random.Random
 ) -> dict[str, int]:
-    """Drive the runner like an engine would; return counters proving what was exercised."""
-    seen = {"mixed_steps": 0, "split_chunks": 0, "slot_reuses": 0}
-    used_slots: set[int] = set()
+    """Drive the runner like an engine would; return counters proving what was exercised.
+
+    Each admitted request reserves blocks for its whole length up front (simple, not the
+    engine's policy); the pool's free order is shuffled so block tables are not contiguous.
+    """
+    seen = {"mixed_steps": 0, "split_chunks": 0, "block_reuses": 0}
+    pool = BlockPool(runner.num_blocks, enable_caching=False)
+    pool.free(rng.sample(pool.allocate(runner.num_blocks), runner.num_blocks))  # scatter the free order
+    used_blocks: set[int] = set()
     waiting: list[_Req] = []
     step = 0
     while not all(r.done for r in reqs):
         waiting += [r for r in reqs if r.arrival == step]
-        while waiting and runner.num_free_slots:
+        while waiting:
+            need = -(-(len(waiting[0].prompt) + waiting[0].max_new) // runner.block_size)
+            if need > pool.num_free:
+                break
             req = waiting.pop(0)
-            req.slot = runner.allocate_slot()
-            seen["slot_reuses"] += req.slot in used_slots
-            used_slots.add(req.slot)
-        running = [r for r in reqs if r.slot is not None and not r.done]
+            req.blocks = pool.allocate(need)
+            seen["block_reuses"] += bool(used_blocks & set(req.blocks))
+            used_blocks |= set(req.blocks)
+        running = [r for r in reqs if r.blocks is not None and not r.done]
         left = budget
         plan: list[tuple[_Req, ScheduledSeq]] = []
         for r in running:  # decode rows first, one token each
             if r.computed >= len(r.prompt):
-                plan.append((r, ScheduledSeq(r.slot, [r.output[-1]], r.computed, True)))
+                plan.append((r, ScheduledSeq(r.blocks, [r.output[-1]], r.computed, True)))
                 left -= 1
         for r in running:  # then prompt chunks under what is left of the budget
             n = min(len(r.prompt) - r.computed, left)
             if r.computed < len(r.prompt) and n > 0:
                 end = r.computed + n
-                plan.append((r, ScheduledSeq(r.slot, r.prompt[r.computed : end], r.computed, end == len(r.prompt))))
+                plan.append((r, ScheduledSeq(r.blocks, r.prompt[r.computed : end], r.computed, end == len(r.prompt))))
                 seen["split_chunks"] += r.computed > 0
                 left -= n
-        rng.shuffle(plan)  # the persistent batch reorders rows; KV must follow the slot, not the row
+        rng.shuffle(plan)  # the persistent batch reorders rows; KV must follow the blocks, not the row
         kinds = {len(s.token_ids) > 1 for _, s in plan}
         seen["mixed_steps"] += kinds == {True, False}
         if plan:
@@ -127,7 +138,7 @@ def _run_with_churn(
                 r.output.append(int(row.argmax()))
                 if r.output[-1] in eos or len(r.output) == r.max_new:
                     r.done = True
-                    runner.free_slot(r.slot)
+                    pool.free(reversed(r.blocks))
         step += 1
         assert step < 500, "scheduler made no progress"
     return seen
@@ -142,12 +153,11 @@ def test_greedy_matches_generate_under_churn(tiny_model: LoadedModel) -> None:
         length, offset = rng.randint(10, 100), rng.randrange(len(corpus) - 100)
         prompt = [bos] + corpus[offset : offset + length - 1]
         reqs.append(_Req(prompt, max_new=rng.randint(1, 24), arrival=rng.randint(0, 20) if i > 2 else 0))
-    runner = ModelRunner(tiny_model, max_num_seqs=5, max_model_len=160)
+    runner = ModelRunner(tiny_model, num_blocks=36, block_size=16, max_model_len=160)
     seen = _run_with_churn(runner, reqs, tiny_model.eos_token_ids, budget=48, rng=rng)
 
     # The scenario really exercised what it claims to.
-    assert seen["mixed_steps"] > 0 and seen["split_chunks"] > 0 and seen["slot_reuses"] > 0
-    assert runner.num_free_slots == 5
+    assert seen["mixed_steps"] > 0 and seen["split_chunks"] > 0 and seen["block_reuses"] > 0
     # generate() runs on the same model object: the runner's attention falls back to SDPA there.
     _assert_matches_reference(tiny_model, reqs)
     assert len({tuple(r.output) for r in reqs}) > len(reqs) // 2
@@ -163,29 +173,33 @@ _seq_shapes = st.lists(
 )
 
 
-def _prefilled(loaded: LoadedModel, contexts: list[list[int]]) -> tuple[ModelRunner, list[int]]:
-    runner = ModelRunner(loaded, max_num_seqs=len(contexts), max_model_len=128)
-    slots = [runner.allocate_slot() for _ in contexts]
-    for slot, ctx in zip(slots, contexts):
+def _prefilled(
+    loaded: LoadedModel, contexts: list[list[int]], block_size: int
+) -> tuple[ModelRunner, list[list[int]]]:
+    per_seq = -(-128 // block_size)
+    runner = ModelRunner(loaded, num_blocks=per_seq * len(contexts), block_size=block_size, max_model_len=128)
+    order = list(range(runner.num_blocks))[::-1]  # tables not in block order
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(len(contexts))]
+    for table, ctx in zip(tables, contexts):
         if ctx:
-            runner.execute([ScheduledSeq(slot, ctx, 0, False)])
-    return runner, slots
+            runner.execute([ScheduledSeq(table, ctx, 0, False)])
+    return runner, tables
 
 
 @settings(max_examples=15, deadline=None)
-@given(shapes=_seq_shapes, seed=st.integers(0, 2**16))
-def test_mixed_step_equals_separate_steps(tiny_model: LoadedModel, shapes, seed: int) -> None:
+@given(shapes=_seq_shapes, seed=st.integers(0, 2**16), block_size=st.sampled_from([1, 5, 16]))
+def test_mixed_step_equals_separate_steps(tiny_model: LoadedModel, shapes, seed: int, block_size: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     vocab = len(tiny_model.tokenizer)
     contexts = [torch.randint(vocab, (c,), generator=gen).tolist() for c, _, _ in shapes]
     news = [torch.randint(vocab, (n,), generator=gen).tolist() for _, n, _ in shapes]
     samples = [s for _, _, s in shapes]
 
-    mixed_runner, slots = _prefilled(tiny_model, contexts)
-    step = [ScheduledSeq(sl, new, len(ctx), s) for sl, ctx, new, s in zip(slots, contexts, news, samples)]
+    mixed_runner, tables = _prefilled(tiny_model, contexts, block_size)
+    step = [ScheduledSeq(t, new, len(ctx), s) for t, ctx, new, s in zip(tables, contexts, news, samples)]
     mixed = mixed_runner.execute(step)
 
-    alone_runner, _ = _prefilled(tiny_model, contexts)
+    alone_runner, _ = _prefilled(tiny_model, contexts, block_size)
     alone = [alone_runner.execute([seq]) for seq in step]
     expected = torch.cat(alone)
     assert mixed.shape == (sum(samples), tiny_model.vocab_size)
@@ -196,16 +210,25 @@ def test_mixed_step_equals_separate_steps(tiny_model: LoadedModel, shapes, seed:
         torch.testing.assert_close(mixed, torch.stack(plain), rtol=0, atol=ATOL)
 
 
-def test_rewriting_a_slot_from_an_earlier_position(tiny_model: LoadedModel) -> None:
-    """Recompute after preemption: positions >= start_pos are overwritten, earlier ones kept."""
-    runner = ModelRunner(tiny_model, max_num_seqs=1, max_model_len=64)
-    slot = runner.allocate_slot()
-    runner.execute([ScheduledSeq(slot, list(range(100, 130)), 0, False)])
+def test_rewriting_blocks_from_an_earlier_position(tiny_model: LoadedModel) -> None:
+    """Positions >= start_pos are overwritten, earlier ones kept (mid-block, too)."""
+    runner = ModelRunner(tiny_model, num_blocks=4, block_size=16, max_model_len=64)
+    table = [2, 0, 3]
+    runner.execute([ScheduledSeq(table, list(range(100, 130)), 0, False)])
     new = list(range(500, 510))
-    got = runner.execute([ScheduledSeq(slot, new, 20, True)])[0]
+    got = runner.execute([ScheduledSeq(table, new, 20, True)])[0]
     torch.testing.assert_close(got, _plain_last_logits(tiny_model, list(range(100, 120)) + new), rtol=0, atol=ATOL)
-    with pytest.raises(ValueError, match="holds 30 tokens"):
-        runner.execute([ScheduledSeq(slot, [1], 31, True)])
+
+
+def test_a_shared_prefix_block_is_read_by_two_sequences(tiny_model: LoadedModel) -> None:
+    """Prefix caching at the runner level: two tables list the same blocks; only suffixes run."""
+    runner = ModelRunner(tiny_model, num_blocks=8, block_size=8, max_model_len=64)
+    prefix = list(range(300, 324))  # 3 full blocks
+    runner.execute([ScheduledSeq([5, 1, 6], prefix, 0, False)])
+    a, b = list(range(700, 705)), list(range(900, 911))
+    got = runner.execute([ScheduledSeq([5, 1, 6, 0], a, 24, True), ScheduledSeq([5, 1, 6, 2, 3], b, 24, True)])
+    plain = torch.stack([_plain_last_logits(tiny_model, prefix + a), _plain_last_logits(tiny_model, prefix + b)])
+    torch.testing.assert_close(got, plain, rtol=0, atol=ATOL)
 
 
 def test_other_architecture_qwen2_with_qkv_bias(tmp_path, tiny_model: LoadedModel) -> None:
@@ -230,52 +253,49 @@ def test_other_architecture_qwen2_with_qkv_bias(tmp_path, tiny_model: LoadedMode
         Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     tiny_model.tokenizer.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, device=tiny_model.device)
-    runner = ModelRunner(loaded, max_num_seqs=2)
+    runner = ModelRunner(loaded, num_blocks=16, block_size=16)
     prompts = [[1, *range(40, 75)], [1, *range(300, 312)]]
     reqs = [_Req(p, max_new=10, arrival=0) for p in prompts]
     _run_with_churn(runner, reqs, frozenset(), budget=30, rng=random.Random(0))
     _assert_matches_reference(loaded, reqs)
 
 
-# ----------------------------------------------------------------------------- slots and checks
+# ----------------------------------------------------------------------------- sizing and checks
 
 
-def test_kv_cache_is_sized_once_from_slots_and_length(tiny_model: LoadedModel) -> None:
+def test_kv_pool_is_sized_once_from_blocks(tiny_model: LoadedModel) -> None:
     cfg = tiny_model.config
-    runner = ModelRunner(tiny_model, max_num_seqs=3, max_model_len=100)
+    runner = ModelRunner(tiny_model, num_blocks=7, block_size=16, max_model_len=100)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    per_layer = 3 * cfg.num_key_value_heads * 100 * head_dim * 4  # float32
-    assert runner.kv_cache_bytes == 2 * cfg.num_hidden_layers * per_layer
+    per_layer = 7 * 16 * cfg.num_key_value_heads * head_dim * 4  # float32
+    assert runner.kv_cache_bytes == 2 * cfg.num_hidden_layers * per_layer == 7 * block_bytes(tiny_model, 16)
+    assert runner.capacity_tokens == 112
 
 
-def test_slots_are_handed_out_lowest_first_and_reused(tiny_model: LoadedModel) -> None:
-    runner = ModelRunner(tiny_model, max_num_seqs=3, max_model_len=32)
-    assert [runner.allocate_slot() for _ in range(3)] == [0, 1, 2]
-    with pytest.raises(RuntimeError, match="no free KV slot"):
-        runner.allocate_slot()
-    runner.free_slot(2)
-    runner.free_slot(0)
-    assert runner.allocate_slot() == 0
-    with pytest.raises(ValueError, match="not allocated"):
-        runner.free_slot(2)
+def test_budget_in_bytes_gives_whole_blocks(tiny_model: LoadedModel) -> None:
+    per = block_bytes(tiny_model, 16)
+    kw = {"memory_fraction": 0.9, "default_tokens": 0}
+    assert num_blocks_for(tiny_model, 16, kv_cache_bytes=10 * per + per - 1, **kw) == 10
+    assert num_blocks_for(tiny_model, 16, kv_cache_bytes=None, memory_fraction=0.9, default_tokens=33) == 3
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        num_blocks_for(tiny_model, 16, kv_cache_bytes=per - 1, **kw)
 
 
 def test_execute_rejects_inconsistent_steps(tiny_model: LoadedModel) -> None:
-    runner = ModelRunner(tiny_model, max_num_seqs=2, max_model_len=16)
-    a = runner.allocate_slot()
+    runner = ModelRunner(tiny_model, num_blocks=4, block_size=4, max_model_len=16)
     bad = {
-        "not allocated": [ScheduledSeq(1, [5], 0, True)],
-        "scheduled twice": [ScheduledSeq(a, [5], 0, False), ScheduledSeq(a, [6], 1, True)],
-        "no tokens": [ScheduledSeq(a, [], 0, True)],
-        "holds 0 tokens": [ScheduledSeq(a, [5], 1, True)],
-        "exceed max_model_len": [ScheduledSeq(a, list(range(17)), 0, True)],
+        "block ids must be in": [ScheduledSeq([9], [5], 0, True)],
+        "written by two sequences": [ScheduledSeq([0], [5], 0, False), ScheduledSeq([0], [6], 1, True)],
+        "no tokens": [ScheduledSeq([0], [], 0, True)],
+        "cannot hold 5 tokens": [ScheduledSeq([0], [1, 2, 3, 4, 5], 0, True)],
+        "exceed max_model_len": [ScheduledSeq([0, 1, 2, 3, 3], list(range(17)), 0, True)],
     }
     for message, seqs in bad.items():
         with pytest.raises(ValueError, match=message):
             runner.execute(seqs)
     assert runner.execute([]).shape == (0, tiny_model.vocab_size)
     with pytest.raises(ValueError, match="max_model_len"):
-        ModelRunner(tiny_model, max_num_seqs=1, max_model_len=tiny_model.max_model_len + 1)
+        ModelRunner(tiny_model, num_blocks=1, max_model_len=tiny_model.max_model_len + 1)
 
 
 # ----------------------------------------------------------------------------- the shared model object
@@ -283,7 +303,7 @@ def test_execute_rejects_inconsistent_steps(tiny_model: LoadedModel) -> None:
 
 def test_padded_generate_batch_stays_exact_after_the_runner_took_the_model(tiny_model: LoadedModel) -> None:
     """generate() is the oracle other tests use: a left-padded batch must equal one-by-one runs."""
-    ModelRunner(tiny_model, max_num_seqs=1, max_model_len=8)  # switches the model's attention
+    ModelRunner(tiny_model, num_blocks=1, max_model_len=8)  # switches the model's attention
     pad, bos = tiny_model.tokenizer.pad_token_id, tiny_model.tokenizer.bos_token_id
     prompts = [[bos, *range(200, 230)], [bos, *range(700, 705)], [bos, *range(900, 915)]]
     width = max(map(len, prompts))
@@ -303,7 +323,7 @@ def test_a_runner_step_builds_no_transformers_mask(tiny_model: LoadedModel) -> N
 
     from worker.attention import ATTENTION_NAME, register_attention
 
-    runner = ModelRunner(tiny_model, max_num_seqs=2, max_model_len=64)
+    runner = ModelRunner(tiny_model, num_blocks=8, block_size=16, max_model_len=64)
     calls = []
 
     def counting_mask(*args, **kwargs):
@@ -312,8 +332,9 @@ def test_a_runner_step_builds_no_transformers_mask(tiny_model: LoadedModel) -> N
 
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, counting_mask)
     try:
-        a, b = runner.allocate_slot(), runner.allocate_slot()
-        runner.execute([ScheduledSeq(a, list(range(10, 40)), 0, True), ScheduledSeq(b, list(range(50, 60)), 0, True)])
+        runner.execute(
+            [ScheduledSeq([0, 1], list(range(10, 40)), 0, True), ScheduledSeq([2], list(range(50, 60)), 0, True)]
+        )
         assert calls == []
         tiny_model.model(input_ids=torch.tensor([[1, 2, 3]], device=tiny_model.device))  # the fallback path
         assert calls  # proves the spy was live

@@ -4,7 +4,8 @@ For each concurrency N: N requests (prompt 128 tokens, 128 new tokens, greedy, E
 through AsyncEngine all at once — output tokens/s, time to first token, inter-token latency
 p50/p99 — and, in the same run, the same requests through `model.generate()` one at a time and
 as one left-padded static batch. `--soak` runs 1,000 requests with churn and reports RSS growth
-after warm-up.
+after warm-up. `--workload` adds the paged-KV workloads of ``worker.bench.workloads``
+(shared-prefix, capacity, pressure; ``all`` = every one, uniform included).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import torch
 
 from worker.async_engine import AsyncEngine
+from worker.bench import workloads
 from worker.bench.latency import engine_stream, measure
 from worker.config import EngineConfig
 from worker.llm import LLM
@@ -105,6 +107,22 @@ async def amain(args: argparse.Namespace) -> None:
     offline = LLM(loaded=loaded, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.token_budget,
                   load_entry_points=False)
     print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB per engine; model {path}")
+    chosen = set(args.workload)
+    if chosen & {"shared-prefix", "capacity", "pressure", "all"}:
+        print("\n| workload | paged engine | comparison | transformers / other | ratio |\n|---|---|---|---|---|")
+    if chosen & {"shared-prefix", "all"}:
+        hf_batch = lambda *a: run_hf(*a, batched=True)  # noqa: E731
+        print(workloads.shared_prefix(loaded, hf_batch, n=args.prefix_requests, prefix=args.prefix_len, own=32,
+                                      new=32, budget=args.token_budget), flush=True)
+    if chosen & {"capacity", "all"}:
+        print(workloads.capacity(loaded, slots=64, slot_len=1024, prompt=args.capacity_len - args.capacity_new,
+                                 new=args.capacity_new, n=args.capacity_requests, budget=args.token_budget),
+              flush=True)
+    if chosen & {"pressure", "all"}:
+        print(workloads.pressure(loaded, n=16, prompt=96, new=64, blocks=48, budget=512), flush=True)
+    if not chosen & {"uniform", "all"}:
+        await engine.shutdown()
+        return
     await measure(engine_stream(engine, 8), make_prompts(loaded, 2, args.prompt_len, seed=99))
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; {args.threads} threads\n")
     print("| N | AsyncEngine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | LLM.generate tok/s "
@@ -138,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hf-single-max", type=int, default=64, help="cap on one-at-a-time requests timed")
     p.add_argument("--soak", type=int, default=0, help="also run this many requests with churn (e.g. 1000)")
+    p.add_argument("--workload", nargs="+", default=["uniform"],
+                   choices=["uniform", "shared-prefix", "capacity", "pressure", "all"])
+    p.add_argument("--prefix-requests", type=int, default=32)
+    p.add_argument("--prefix-len", type=int, default=768)
+    p.add_argument("--capacity-requests", type=int, default=256)
+    p.add_argument("--capacity-len", type=int, default=256, help="prompt + new tokens per capacity request")
+    p.add_argument("--capacity-new", type=int, default=64, help="new tokens of each capacity request")
     asyncio.run(amain(p.parse_args(argv)))
     return 0
 
