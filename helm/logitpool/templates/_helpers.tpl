@@ -124,6 +124,10 @@ applications:
         seed: {{ $v.engine.seed | toJson }}
         logits_processors: {{ $v.logitsProcessors | toJson }}
         strict_extra_args: {{ $v.engine.strictExtraArgs | toJson }}
+        block_size: {{ $v.engine.blockSize | toJson }}
+        kv_cache_bytes: {{ $v.engine.kvCacheBytes | toJson }}
+        kv_cache_memory_fraction: {{ $v.engine.kvCacheMemoryFraction | toJson }}
+        enable_prefix_caching: {{ $v.engine.enablePrefixCaching | toJson }}
       workers:
         {{- if $a.enabled }}
         num_replicas: null
