@@ -226,7 +226,7 @@ def test_fault_stays_with_its_request(tiny_model, processors, culprits, phase):
         assert c.finish_reason == "length", c.error
         assert c.token_ids == solo(tiny_model, p, sp), f"bystander {i}"
     assert engine.num_restarts >= 1 and engine.finish_counts["error"] == len(culprits)
-    assert engine.num_running == 0 and engine.runner.num_free_slots == 8
+    assert engine.num_running == 0 and engine.kv.stats()["blocks_used"] == 0
 
 
 def test_nan_fails_only_its_row_and_names_the_processor(tiny_model):
@@ -281,7 +281,7 @@ def test_forward_failure_fails_its_rows_and_the_engine_goes_on(tiny_model):
             break
     assert {r: c.finish_reason for r, c in finals.items()} == {"r0": "error", "r1": "error"}
     assert "model forward" in finals["r0"].error and "injected" in finals["r0"].error
-    assert engine.runner.num_free_slots == 4
+    assert engine.kv.stats()["blocks_used"] == 0  # every KV block released
     engine.add_request("after", prompts[0], SamplingParams(**GREEDY))
     tokens = []
     while engine.has_unfinished():
