@@ -180,6 +180,8 @@ class LogitpoolConfig(_Frozen):
     """Environment variable the ingress reads at start: comma-separated accepted keys."""
     app_name: str = Field(default="logitpool", min_length=1)
     route_prefix: str = "/"
+    served_model_name: str | None = Field(default=None, min_length=1)
+    """The `model` requests name and responses echo; None = the model's name (see `served_name`)."""
 
     @field_validator("api_key_env")
     @classmethod
@@ -211,6 +213,19 @@ class LogitpoolConfig(_Frozen):
                 f"({self.engine.max_num_seqs}), or the batch can never fill"
             )
         return self
+
+    @property
+    def served_name(self) -> str:
+        """`served_model_name`, else the model's name: a hub id as given, a local path's last
+        part (a server's filesystem layout is not its clients' business)."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        model = self.engine.model
+        if model is None:
+            return "tiny-llama"  # the embedded model's directory (worker.models.default_model_path)
+        if model.startswith(("/", ".", "~")) or Path(model).expanduser().exists():
+            return Path(model).expanduser().resolve().name or model
+        return model
 
     @property
     def worker_max_ongoing_requests(self) -> int:
