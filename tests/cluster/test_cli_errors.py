@@ -1,0 +1,91 @@
+"""What an operator sees when a CLI command fails, and `logitpool status`'s text (no Ray needed:
+every failure here happens before Ray starts, which is the point)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.cli import banner, main
+from cluster.config import LogitpoolConfig
+from cluster.deploy_wait import cause
+from cluster.status_view import status_lines
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.mark.parametrize(("files", "argv", "says"), [
+    ({"c.yaml": "engine: {modle: x}\n"}, ["serve", "--config", "{d}/c.yaml"], "config: engine.modle: Extra inputs"),
+    ({"c.yaml": "engine: [\n"}, ["serve", "--config", "{d}/c.yaml"], "config: not valid YAML"),
+    ({"c.yaml": "workers: {num_replicas: 0}\n"}, ["serve", "--config", "{d}/c.yaml"], "workers.num_replicas"),
+    ({}, ["serve", "--config", "{d}/missing.yaml"], "no such file: "),
+    ({}, ["serve", "--model", "{d}/no-model"], "model: no such directory"),
+    ({}, ["serve", "--logits-processors", "nosuch.module:Cls"], "module 'nosuch.module' could not be imported"),
+    ({}, ["serve", "--logits-processors", "tests.fixtures.seed_processors:Missing"], "Missing"),
+    ({}, ["generate", "hi", "--extra-args", "{oops"], "--extra-args: not valid JSON"),
+    ({}, ["generate", "hi", "--target", "127.0.0.1:1", "--timeout", "3"], "127.0.0.1:1: Unavailable"),
+    ({}, ["status", "--session", "{d}/none.json"], "no running `logitpool serve` found"),
+    ({}, ["scale", "2", "--session", "{d}/none.json"], "no running `logitpool serve` found"),
+])
+def test_errors_are_one_line_exit_2(tmp_path, capsys, files, argv, says):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    rc, err = run_cli(capsys, *(a.replace("{d}", str(tmp_path)) for a in argv))
+    assert rc == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith("logitpool: error: ") and says in line, line
+
+
+def test_debug_adds_the_traceback(tmp_path, capsys):
+    rc, err = run_cli(capsys, "serve", "--config", str(tmp_path / "missing.yaml"), "--debug")
+    assert rc == 2 and "Traceback (most recent call last)" in err and err.strip().endswith("missing.yaml")
+
+
+def test_bad_processor_fails_in_seconds_without_ray():
+    """In a fresh process, as an operator runs it: the import error, and Ray never imported."""
+    code = ("import sys; from cluster.cli import main; rc = main(['serve', '--logits-processors', 'nosuch.mod:C']);"
+            "assert 'ray' not in sys.modules; sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "No module named 'nosuch'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cause_is_the_traceback_exception():
+    message = ("The deployment failed to start 3 times in a row. Error:\nray::ServeReplica.init()\n"
+               '  File "w.py", line 3, in f\n    raise ValueError(\nValueError: bad model in /m:\n(1) no config\n')
+    assert cause(message) == "ValueError: bad model in /m: (1) no config"
+    assert cause("1 replicas have taken more than 30s to be scheduled.") == "1 replicas have taken more than 30s to be scheduled."
+
+
+def test_banner_with_keys_shows_how_to_send_one():
+    cfg = LogitpoolConfig.model_validate({"engine": {"model": "/srv/m"}, "api_key_env": "MY_KEYS"})
+    text = "\n".join(banner(cfg, "127.0.0.1", keys=True))
+    assert '-H "Authorization: Bearer $MY_KEYS"' in text and '--api-key "$MY_KEYS"' in text
+    assert "'m'" in text  # the served name, not the path
+    assert "Authorization" not in "\n".join(banner(cfg, "127.0.0.1", keys=False))
+
+
+def test_status_lines_show_pending_replicas_and_engine_load():
+    worker = SimpleNamespace(status="UPDATING", replica_states={"RUNNING": 2, "STARTING": 1},
+                             message="Deployment has 1 replicas that have taken more than 30s to be scheduled.")
+    ingress = SimpleNamespace(status="HEALTHY", replica_states={"RUNNING": 1}, message="")
+    st = SimpleNamespace(status="DEPLOYING", deployments={"LogitpoolWorker": worker, "LogitpoolIngress": ingress})
+    snaps = [{"replica_id": "b", "alive": True, "num_running": 3, "num_waiting": 1, "kv": {"usage": 0.25}},
+             {"replica_id": "a", "alive": False, "num_running": 0, "num_waiting": 0, "kv": {}}]
+    lines = status_lines("logitpool", st, snaps)
+    assert lines[0] == "application logitpool: DEPLOYING"
+    assert "  LogitpoolWorker: UPDATING  replicas: RUNNING=2 STARTING=1" in lines
+    assert any("to be scheduled" in line for line in lines)
+    rows = [line.split() for line in lines if line.startswith("  a ") or line.startswith("  b ")]
+    assert rows == [["a", "NO", "0", "0", "-"], ["b", "yes", "3", "1", "usage=0.25"]]
+    assert status_lines("x", None, []) == ["application x: not deployed"]
