@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.cli import banner, main
+from cluster.cli_errors import CliError
 from cluster.config import LogitpoolConfig
 from cluster.deploy_wait import cause
 from cluster.status_view import status_lines
@@ -89,3 +90,34 @@ def test_status_lines_show_pending_replicas_and_engine_load():
     rows = [line.split() for line in lines if line.startswith("  a ") or line.startswith("  b ")]
     assert rows == [["a", "NO", "0", "0", "-"], ["b", "yes", "3", "1", "usage=0.25"]]
     assert status_lines("x", None, []) == ["application x: not deployed"]
+
+
+def _app(status: str, **deployments: tuple[str, str]) -> SimpleNamespace:
+    return SimpleNamespace(status=status, message="", deployments={
+        name: SimpleNamespace(status=s, message=m, replica_states={}) for name, (s, m) in deployments.items()})
+
+
+def test_wait_running_reports_then_fails_with_the_cause(monkeypatch):
+    from cluster import deploy_wait
+
+    states = iter([
+        _app("DEPLOYING", W=("UPDATING", "A replica failed to start. Error:\nValueError: bad model\n")),
+        _app("DEPLOY_FAILED", W=("DEPLOY_FAILED", "failed 3 times. Error:\nValueError: bad model\n")),
+    ])
+    monkeypatch.setattr(deploy_wait, "app_status", lambda app: next(states))
+    monkeypatch.setattr(deploy_wait, "POLL_S", 0.0)
+    reported: list[str] = []
+    with pytest.raises(CliError, match=r"^deployment failed: W: ValueError: bad model$"):
+        deploy_wait.wait_running("a", 10, report=reported.append)
+    assert reported == ["W: ValueError: bad model"]
+
+
+def test_wait_running_stops_waiting_for_unplaceable_replicas_once_serving(monkeypatch):
+    from cluster import deploy_wait
+
+    msg = "Deployment 'W' has 1 replicas that have taken more than 30s to be scheduled. Resources required: GPU 1."
+    monkeypatch.setattr(deploy_wait, "app_status", lambda app: _app("DEPLOYING", W=("UPDATING", msg)))
+    monkeypatch.setattr(deploy_wait, "POLL_S", 0.0)
+    assert deploy_wait.wait_running("a", 10, serving=lambda: True) == [f"W: {msg}"]
+    with pytest.raises(CliError, match="not running after 0s: W: Deployment 'W' has 1 replicas"):
+        deploy_wait.wait_running("a", 0, serving=lambda: False)
