@@ -177,7 +177,7 @@ def deploy(cfg: Any, *, timeout_s: float = READY_TIMEOUT_S, report: Any = _repor
         _run(build_app(cfg), _blocking=False, name=cfg.app_name, route_prefix=cfg.route_prefix)
     pending = wait_running(cfg.app_name, timeout_s, report=report, serving=serving or (lambda: False))
     for line in pending:
-        print(f"warning: serving, but not every replica could be placed (see `logitpool status`): {line}",
+        print(f"warning: serving, but not every replica has started (see `logitpool status`): {line}",
               file=sys.stderr, flush=True)
     return cfg
 

@@ -55,6 +55,7 @@ def wait_running(
     it gave up waiting for those because `serving()` says requests are already answered."""
     deadline = time.monotonic() + timeout_s
     seen: set[tuple[str, str]] = set()
+    stale: set[tuple[str, str]] | None = None  # messages of the previous deployment, still shown
     while True:
         st = app_status(app)
         if st is None:
@@ -70,7 +71,10 @@ def wait_running(
             if (name, m) not in seen:
                 seen.add((name, m))
                 report(f"{name}: {cause(m)}")
-        pending = [f"{name}: {cause(m)}" for name, m in messages.items() if _UNSCHEDULED in m]
+        if stale is None:
+            stale = set(messages.items())
+        pending = [f"{name}: {cause(m)}" for name, m in messages.items()
+                   if _UNSCHEDULED in m and (name, m) not in stale]
         if pending and serving():
             return pending
         if time.monotonic() > deadline:

@@ -89,6 +89,7 @@ class LogitpoolWorker:
         return {
             "replica_id": ctx.replica_id.unique_id,
             "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "num_requests": self._num_requests,
             "num_running": self.engine.num_running,
             "kv_cache_bytes": self.engine.engine.runner.kv_cache_bytes,

@@ -116,8 +116,11 @@ def test_wait_running_stops_waiting_for_unplaceable_replicas_once_serving(monkey
     from cluster import deploy_wait
 
     msg = "Deployment 'W' has 1 replicas that have taken more than 30s to be scheduled. Resources required: GPU 1."
-    monkeypatch.setattr(deploy_wait, "app_status", lambda app: _app("DEPLOYING", W=("UPDATING", msg)))
+    fresh = iter([_app("DEPLOYING", W=("UPDATING", ""))] + [_app("DEPLOYING", W=("UPDATING", msg))] * 2)
+    monkeypatch.setattr(deploy_wait, "app_status", lambda app: next(fresh))
     monkeypatch.setattr(deploy_wait, "POLL_S", 0.0)
     assert deploy_wait.wait_running("a", 10, serving=lambda: True) == [f"W: {msg}"]
+    # A message already shown when the wait starts belongs to the previous deployment: waited on.
+    monkeypatch.setattr(deploy_wait, "app_status", lambda app: _app("DEPLOYING", W=("UPDATING", msg)))
     with pytest.raises(CliError, match="not running after 0s: W: Deployment 'W' has 1 replicas"):
-        deploy_wait.wait_running("a", 0, serving=lambda: False)
+        deploy_wait.wait_running("a", 0, serving=lambda: True)
