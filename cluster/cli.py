@@ -211,7 +211,7 @@ def _command_name() -> str:
     return shlex.quote(argv0) if Path(argv0).name == "logitpool" else f"{shlex.quote(sys.executable)} -m cluster.cli"
 
 
-def banner(cfg: Any, host: str, keys: bool, session_path: Path | None = None) -> list[str]:
+def banner(cfg: Any, host: str, keys: bool, session_path: Path | None = None, status: bool = True) -> list[str]:
     http = f"http://{host}:{cfg.server.http_port}"
     auth = f' -H "Authorization: Bearer ${cfg.api_key_env}"' if keys else ""
     key_flag = f' --api-key "${cfg.api_key_env}"' if keys else ""
@@ -231,10 +231,11 @@ def banner(cfg: Any, host: str, keys: bool, session_path: Path | None = None) ->
         f"  curl {http}/v1/completions -H 'Content-Type: application/json'{auth} "
         "-d '{\"prompt\": \"def main(\", \"max_tokens\": 16}'",
         f"  {_command_name()} generate 'def main(' --target {host}:{cfg.server.grpc_port}{key_flag}",
-        f"  {_command_name()} status{session}        # replicas, requests and KV cache per worker replica",
-        f"  {_command_name()} scale 2{session}       # redeploy with 2 worker replicas",
-        "Ctrl-C to stop.",
     ]
+    if status:
+        lines += [f"  {_command_name()} status{session}        # replicas, requests and KV cache per worker replica",
+                  f"  {_command_name()} scale 2{session}       # redeploy with 2 worker replicas"]
+    lines.append("Ctrl-C to stop.")
     return lines
 
 
@@ -249,9 +250,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
     wait_ready(host, cfg.server.http_port)
-    session_path = _session_path(args)
-    session.write(session_path, ray.get_runtime_context().gcs_address, cfg.model_dump(mode="json", exclude={"api_keys"}))
-    print("\n".join(banner(cfg, host, bool(cfg.resolve_api_keys(os.environ)), args.session)), flush=True)
+    session_path: Path | None = _session_path(args)
+    if session.owned_by_another(session_path):
+        print(f"note: another `logitpool serve` owns {session_path}; `status`/`scale` of this one are not "
+              "available (start it with --session PATH)", file=sys.stderr)
+        session_path = None
+    else:
+        session.write(session_path, ray.get_runtime_context().gcs_address,
+                      cfg.model_dump(mode="json", exclude={"api_keys"}))
+    print("\n".join(banner(cfg, host, bool(cfg.resolve_api_keys(os.environ)), args.session if session_path else None,
+                           status=session_path is not None)), flush=True)
     stop = False
 
     def _stop(*_: Any) -> None:
@@ -264,7 +272,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         while not stop:
             time.sleep(0.5)
     finally:
-        session.remove(session_path)
+        if session_path is not None:
+            session.remove(session_path)
         from ray import serve
 
         # The application's replicas stop gracefully; a local cluster then goes down with this

@@ -24,6 +24,16 @@ def default_path() -> Path:
     return Path(root) / "serve-session.json"
 
 
+def owned_by_another(path: Path) -> bool:
+    """True while another live `logitpool serve` owns the session file at `path`."""
+    try:
+        pid = int(json.loads(path.read_text())["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return pid != os.getpid()
+
+
 def write(path: Path, address: str, config: dict[str, Any]) -> None:
     env = {k: os.environ[k] for k in _JOIN_ENV if k in os.environ}
     update(path, {"pid": os.getpid(), "address": address, "env": env, "config": config})
