@@ -8,6 +8,7 @@ for ever once the application already serves."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -19,8 +20,21 @@ from cluster.cli_errors import CliError
 
 POLL_S = 1.0
 _FAILED = ("DEPLOY_FAILED", "UNHEALTHY")
-# Serve's message for replicas no node has room for ("... taken more than 30s to be scheduled").
-_UNSCHEDULED = "to be scheduled"
+# Serve's message for replicas not yet placed ("... taken more than 30s to be scheduled ...
+# Resources required for each replica: {...}, total resources available: {...}").
+_RESOURCES = re.compile(r"Resources required for each replica: (\{.*?\}), total resources available: (\{.*?\})")
+
+
+def unplaceable(message: str) -> bool:
+    """Serve says a replica waits for resources the cluster has not got free (not merely slow)."""
+    m = _RESOURCES.search(message)
+    if m is None:
+        return False
+    try:
+        required, available = json.loads(m.group(1)), json.loads(m.group(2))
+        return any(float(v) > float(available.get(k, 0.0)) for k, v in required.items())
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:")
@@ -74,7 +88,7 @@ def wait_running(
         if stale is None:
             stale = set(messages.items())
         pending = [f"{name}: {cause(m)}" for name, m in messages.items()
-                   if _UNSCHEDULED in m and (name, m) not in stale]
+                   if unplaceable(m) and (name, m) not in stale]
         if pending and serving():
             return pending
         if time.monotonic() > deadline:

@@ -115,7 +115,8 @@ def test_wait_running_reports_then_fails_with_the_cause(monkeypatch):
 def test_wait_running_stops_waiting_for_unplaceable_replicas_once_serving(monkeypatch):
     from cluster import deploy_wait
 
-    msg = "Deployment 'W' has 1 replicas that have taken more than 30s to be scheduled. Resources required: GPU 1."
+    msg = ("Deployment 'W' has 1 replicas that have taken more than 30s to be scheduled. Resources required for "
+           'each replica: {"CPU": 0.5, "GPU": 1.0}, total resources available: {"CPU": 6.0}. Use `ray status`.')
     fresh = iter([_app("DEPLOYING", W=("UPDATING", ""))] + [_app("DEPLOYING", W=("UPDATING", msg))] * 2)
     monkeypatch.setattr(deploy_wait, "app_status", lambda app: next(fresh))
     monkeypatch.setattr(deploy_wait, "POLL_S", 0.0)
@@ -124,3 +125,12 @@ def test_wait_running_stops_waiting_for_unplaceable_replicas_once_serving(monkey
     monkeypatch.setattr(deploy_wait, "app_status", lambda app: _app("DEPLOYING", W=("UPDATING", msg)))
     with pytest.raises(CliError, match="not running after 0s: W: Deployment 'W' has 1 replicas"):
         deploy_wait.wait_running("a", 0, serving=lambda: True)
+
+
+def test_only_replicas_short_of_resources_count_as_unplaceable():
+    from cluster.deploy_wait import unplaceable
+
+    slow = ('has 1 replicas that have taken more than 5s to be scheduled. Resources required for each replica: '
+            '{"CPU": 1.0}, total resources available: {"CPU": 6.0}.')
+    assert not unplaceable(slow) and not unplaceable("taken more than 5s to initialize")
+    assert unplaceable(slow.replace('{"CPU": 1.0}', '{"CPU": 1.0, "GPU": 1.0}'))

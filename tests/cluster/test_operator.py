@@ -5,6 +5,8 @@ instead of waited on, and `logitpool status` / `logitpool scale` work on the res
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cluster.cli import _healthy, deploy, main
@@ -54,11 +56,16 @@ def test_placement_pending_status_and_scale(serve_ports, tiny_model_dir, tmp_pat
     session.write(path, ray.get_runtime_context().gcs_address, cfg.model_dump(mode="json", exclude={"api_keys"}))
     try:
         handle = serve.get_deployment_handle("LogitpoolWorker", app_name=APP)
-        infos = {i["replica_id"]: i["cuda_visible_devices"] for i in (handle.info.remote().result(timeout_s=30)
-                                                                       for _ in range(12))}
-        assert len(infos) == 2 and sorted(infos.values()) == ["0", "1"], infos
-        assert main(["status", "--session", str(path)]) == 0
-        out = capsys.readouterr().out
+        deadline = time.monotonic() + 90  # the second replica may still be starting
+        while True:
+            infos = {i["replica_id"]: i["cuda_visible_devices"] for i in (handle.info.remote().result(timeout_s=30)
+                                                                           for _ in range(12))}
+            assert main(["status", "--session", str(path)]) == 0
+            out = capsys.readouterr().out
+            if (len(infos) == 2 and "worker replicas reporting: 2" in out) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert sorted(infos.values()) == ["0", "1"], infos
         assert f"application {APP}: DEPLOYING" in out and "to be scheduled" in out and "worker replicas reporting: 2" in out
         assert main(["scale", "1", "--session", str(path)]) == 0
         assert main(["status", "--session", str(path)]) == 0
