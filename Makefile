@@ -1,4 +1,4 @@
-# Two commands: `make test` and `make serve`. Both set up .venv on first use.
+# Two commands: `make test` and `make serve` (flags in ARGS="..."). Both set up .venv on first use.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -22,7 +22,7 @@ test: venv
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q
 
 serve: venv
-	$(BIN)/logitpool serve
+	$(BIN)/logitpool serve $(ARGS)
 
 bench: venv
 	$(BIN)/logitpool bench sampler

@@ -49,7 +49,9 @@ def build_app(cfg: LogitpoolConfig, *, processors: Sequence[type] = ()) -> serve
     cfg = resolve_model(cfg)
     engine = worker_engine_config(cfg)
     opts = deployment_options(cfg)
-    worker = WorkerDeployment.options(**opts[WORKER_DEPLOYMENT]).bind(engine=engine.as_kwargs(), stream_interval_s=cfg.workers.stream_interval_s)
+    worker = WorkerDeployment.options(**opts[WORKER_DEPLOYMENT]).bind(
+        engine=engine.as_kwargs(), stream_interval_s=cfg.workers.stream_interval_s, allow_cpu=cfg.engine.device == "auto"
+    )
     return IngressDeployment.options(**opts[INGRESS_DEPLOYMENT]).bind(worker, cfg.model_dump())
 
 

@@ -1,15 +1,22 @@
-"""`logitpool serve | generate | bench` — heavy imports happen inside each command."""
+"""`logitpool serve | status | scale | generate | bench` — heavy imports happen inside each command.
+
+A failing command prints one line naming the problem and exits with 2 (cluster.cli_errors); the
+traceback only with `--debug`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
+
+from cluster.cli_errors import EXIT_ERROR, CliError, one_line
 
 READY_TIMEOUT_S = 600.0
 LOCAL_NUM_CPUS = 8
@@ -18,10 +25,12 @@ LOCAL_NUM_CPUS = 8
 GRPC_MAX_MESSAGE_BYTES = 64 << 20
 
 
-def _serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="start (or join) a Ray cluster and serve logitpool until Ctrl-C")
+def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("serve", parents=[common],
+                       help="start (or join) a Ray cluster and serve logitpool until Ctrl-C")
     p.add_argument("--config", type=Path, help="LogitpoolConfig YAML file (flags override it)")
     p.add_argument("--model", help="HF model path or hub id (default: the embedded tiny model)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the model's name)")
     p.add_argument("--logits-processors", nargs="+", metavar="FQCN", default=None)
     p.add_argument("--num-replicas", type=int)
     p.add_argument("--autoscale", nargs=2, type=int, metavar=("MIN", "MAX"))
@@ -31,6 +40,7 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--grpc-port", type=int)
     p.add_argument("--address", help="Ray cluster to join (e.g. auto, ray://host:10001); default: start a local one")
     p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--session", type=Path, help="where `status`/`scale` find this server (default: the cache's)")
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -40,6 +50,8 @@ def build_config(args: argparse.Namespace) -> Any:
     o: dict[str, Any] = {}
     if args.model:
         o["engine.model"] = args.model
+    if getattr(args, "served_model_name", None):
+        o["served_model_name"] = args.served_model_name
     if args.logits_processors is not None:
         o["engine.logits_processors"] = tuple(args.logits_processors)
     if args.max_num_seqs:
@@ -102,7 +114,30 @@ def local_cluster_env(cfg: Any, token_dir: Path | None = None) -> dict[str, str]
     return env
 
 
-def start_serve(cfg: Any, address: str | None = None) -> Any:
+def check_processors(cfg: Any) -> None:
+    """Import every configured logits processor here, in seconds, before any Ray process starts
+    (a worker replica would otherwise fail the same import, after Serve's retries)."""
+    from worker.logits_processor.registry import resolve_processor_class
+
+    for fqcn in cfg.engine.logits_processors:
+        try:
+            resolve_processor_class(fqcn)
+        except Exception as exc:  # noqa: BLE001 - reported as the operator's one line
+            text = str(exc).strip()
+            raise CliError(text if fqcn in text else f"logits processor {fqcn}: {one_line(exc)}") from exc
+
+
+def check_model(cfg: Any) -> None:
+    model = cfg.engine.model
+    if model is not None and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
+        raise CliError(f"model: no such directory: {model}")
+
+
+def _report(line: str) -> None:
+    print(f"  serve: {line}", file=sys.stderr, flush=True)
+
+
+def start_serve(cfg: Any, address: str | None = None, *, report: Any = _report) -> Any:
     """Start/join Ray, start Serve's HTTP and gRPC proxies, deploy; returns the resolved config."""
     if address is None and "ray" not in sys.modules:
         os.environ.update(local_cluster_env(cfg))
@@ -125,18 +160,35 @@ def start_serve(cfg: Any, address: str | None = None) -> Any:
         http_options={"host": cfg.server.host, "port": cfg.server.http_port},
         grpc_options=gRPCOptions(port=cfg.server.grpc_port, grpc_servicer_functions=list(GRPC_SERVICER_FUNCTIONS)),
     )
-    return deploy(cfg)
+    host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
+    return deploy(cfg, report=report, serving=lambda: _healthy(host, cfg.server.http_port))
 
 
-def deploy(cfg: Any) -> Any:
-    """(Re)deploy the application on a running Serve instance; returns the resolved config."""
-    from ray import serve
+def deploy(cfg: Any, *, timeout_s: float = READY_TIMEOUT_S, report: Any = _report, serving: Any = None) -> Any:
+    """(Re)deploy the application on a running Serve instance and wait until Serve runs it (a
+    replica's start-up failure raises with its cause); returns the resolved config."""
+    from ray.serve.api import _run
 
     from cluster.app import build_app, resolve_model
+    from cluster.deploy_wait import quiet_serve_start, wait_running
 
     cfg = resolve_model(cfg)
-    serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+    with quiet_serve_start():
+        _run(build_app(cfg), _blocking=False, name=cfg.app_name, route_prefix=cfg.route_prefix)
+    pending = wait_running(cfg.app_name, timeout_s, report=report, serving=serving or (lambda: False))
+    for line in pending:
+        print(f"warning: serving, but not every replica has started (see `logitpool status`): {line}",
+              file=sys.stderr, flush=True)
     return cfg
+
+
+def _healthy(host: str, port: int) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"http://{host}:{port}/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def wait_ready(host: str, port: int, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -150,26 +202,64 @@ def wait_ready(host: str, port: int, timeout_s: float = READY_TIMEOUT_S) -> None
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"logitpool did not become healthy within {timeout_s:.0f}s")
+    raise CliError(f"logitpool did not become healthy within {timeout_s:.0f}s (http://{host}:{port}/health)")
+
+
+def _command_name() -> str:
+    """How this CLI was invoked, so the banner's examples run as printed (no PATH assumed)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return shlex.quote(argv0) if Path(argv0).name == "logitpool" else f"{shlex.quote(sys.executable)} -m cluster.cli"
+
+
+def banner(cfg: Any, host: str, keys: bool, session_path: Path | None = None, status: bool = True) -> list[str]:
+    http = f"http://{host}:{cfg.server.http_port}"
+    auth = f' -H "Authorization: Bearer ${cfg.api_key_env}"' if keys else ""
+    key_flag = f' --api-key "${cfg.api_key_env}"' if keys else ""
+    session = f" --session {shlex.quote(str(session_path))}" if session_path is not None else ""
+    lines = [
+        f"logitpool is serving {cfg.engine.model} as model {cfg.served_name!r}",
+        f"  HTTP (OpenAI-compatible): {http}/v1   gRPC: {host}:{cfg.server.grpc_port}",
+    ]
+    if cfg.server.host not in ("0.0.0.0", "::"):
+        lines.append(f"  note: Ray Serve's gRPC proxy listens on every interface ([::]:{cfg.server.grpc_port}) whatever "
+                     "--host says; set API keys (LOGITPOOL_API_KEY) or firewall the port")
+    if keys:
+        lines.append(f"  API keys are on: clients send one of the keys in ${cfg.api_key_env}")
+    lines += [
+        f"  processors: {http}/v1/processors   health: {http}/health   metrics: {http}/metrics",
+        "Try:",
+        f"  curl {http}/v1/completions -H 'Content-Type: application/json'{auth} "
+        "-d '{\"prompt\": \"def main(\", \"max_tokens\": 16}'",
+        f"  {_command_name()} generate 'def main(' --target {host}:{cfg.server.grpc_port}{key_flag}",
+    ]
+    if status:
+        lines += [f"  {_command_name()} status{session}        # replicas, requests and KV cache per worker replica",
+                  f"  {_command_name()} scale 2{session}       # redeploy with 2 worker replicas"]
+    lines.append("Ctrl-C to stop.")
+    return lines
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster import session
+
     cfg = build_config(args)
+    check_model(cfg)
+    check_processors(cfg)
     cfg = start_serve(cfg, args.address)
+    import ray
+
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
     wait_ready(host, cfg.server.http_port)
-    http = f"http://{host}:{cfg.server.http_port}"
-    print(f"logitpool is serving {cfg.engine.model}")
-    print(f"  HTTP (OpenAI-compatible): {http}/v1   gRPC: {host}:{cfg.server.grpc_port}")
-    if cfg.server.host not in ("0.0.0.0", "::"):
-        print(f"  note: Ray Serve's gRPC proxy listens on every interface ([::]:{cfg.server.grpc_port}) whatever "
-              "--host says; set API keys (LOGITPOOL_API_KEY) or firewall the port")
-    print(f"  processors: {http}/v1/processors   health: {http}/health   metrics: {http}/metrics")
-    print("Try:")
-    print(f"  curl {http}/v1/completions -H 'Content-Type: application/json' "
-          "-d '{\"prompt\": \"def main(\", \"max_tokens\": 16}'")
-    print(f"  logitpool generate 'def main(' --target {host}:{cfg.server.grpc_port}")
-    print("Ctrl-C to stop.", flush=True)
+    session_path: Path | None = _session_path(args)
+    if session.owned_by_another(session_path):
+        print(f"note: another `logitpool serve` owns {session_path}; `status`/`scale` of this one are not "
+              "available (start it with --session PATH)", file=sys.stderr)
+        session_path = None
+    else:
+        session.write(session_path, ray.get_runtime_context().gcs_address,
+                      cfg.model_dump(mode="json", exclude={"api_keys"}))
+    print("\n".join(banner(cfg, host, bool(cfg.resolve_api_keys(os.environ)), args.session if session_path else None,
+                           status=session_path is not None)), flush=True)
     stop = False
 
     def _stop(*_: Any) -> None:
@@ -178,11 +268,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
-    while not stop:
-        time.sleep(0.5)
-    from ray import serve
+    try:
+        while not stop:
+            time.sleep(0.5)
+    finally:
+        if session_path is not None:
+            session.remove(session_path)
+        from ray import serve
 
-    serve.shutdown()
+        # The application's replicas stop gracefully; a local cluster then goes down with this
+        # process (serve.shutdown() first would only race Ray's own teardown of its controller
+        # and log "graceful_shutdown failed"). A joined cluster keeps running without our app.
+        serve.delete(cfg.app_name)
+        ray.shutdown()
+    return 0
+
+
+def _session_path(args: argparse.Namespace) -> Path:
+    from cluster import session
+
+    return args.session or session.default_path()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cluster import pool_stats, session
+    from cluster.deploy_wait import app_status
+    from cluster.status_view import status_lines
+
+    data = session.join(_session_path(args))
+    app = data["config"]["app_name"]
+    print("\n".join(status_lines(app, app_status(app), asyncio.run(pool_stats.collect(app)))))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from cluster import session
+    from cluster.config import LogitpoolConfig
+
+    if args.replicas < 1:
+        raise CliError(f"replicas: must be >= 1, got {args.replicas}")
+    data = session.join(_session_path(args))
+    cfg = LogitpoolConfig.model_validate(data["config"]).with_overrides(
+        **{"workers.num_replicas": args.replicas, "workers.autoscaling": None})
+    host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
+    deploy(cfg, serving=lambda: _healthy(host, cfg.server.http_port))
+    data["config"] = cfg.model_dump(mode="json", exclude={"api_keys"})
+    session.update(_session_path(args), data)
+    print(f"{cfg.app_name}: {args.replicas} worker replica(s)")
     return 0
 
 
@@ -195,22 +329,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         sampling["seed"] = args.seed
     if args.extra_args:
-        sampling["extra_args"] = json.loads(args.extra_args)
-    with Client(args.target, api_key=args.api_key or os.environ.get("LOGITPOOL_API_KEY"), timeout=args.timeout) as c:
-        finish = None
-        for chunk in c.stream(args.prompt, **sampling):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            finish = chunk.finish_reason or finish
+        try:
+            sampling["extra_args"] = json.loads(args.extra_args)
+        except ValueError as exc:
+            raise CliError(f"--extra-args: not valid JSON ({exc})") from None
+    from client.errors import LogitpoolError
+
+    try:
+        with Client(args.target, api_key=args.api_key or os.environ.get("LOGITPOOL_API_KEY"), timeout=args.timeout) as c:
+            finish = None
+            for chunk in c.stream(args.prompt, **sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                finish = chunk.finish_reason or finish
+    except LogitpoolError as exc:
+        raise CliError(f"{args.target}: {type(exc).__name__}: {one_line(CliError(str(exc)))}") from exc
     print(f"\n[finish_reason={finish}]", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="logitpool")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    _serve_parser(sub)
-    g = sub.add_parser("generate", help="one streamed request over gRPC")
+    _serve_parser(sub, common)
+    for name, text in (("status", "replicas, running/waiting requests and KV cache of the running `logitpool serve`"),
+                       ("scale", "redeploy the running `logitpool serve` with N worker replicas")):
+        p = sub.add_parser(name, parents=[common], help=text)
+        if name == "scale":
+            p.add_argument("replicas", type=int)
+        p.add_argument("--session", type=Path, help="session file of the `logitpool serve` (default: the cache's)")
+    g = sub.add_parser("generate", parents=[common], help="one streamed request over gRPC")
     g.add_argument("prompt")
     g.add_argument("--target", default="127.0.0.1:9000")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -223,10 +373,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("what", choices=["sampler", "engine", "serve", "soak", "processors", "structured"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    if args.cmd == "serve":
-        return cmd_serve(args)
-    if args.cmd == "generate":
-        return cmd_generate(args)
+    if args.cmd != "bench":
+        try:
+            return {"serve": cmd_serve, "status": cmd_status, "scale": cmd_scale, "generate": cmd_generate}[args.cmd](args)
+        except KeyboardInterrupt:
+            return 130
+        except Exception as exc:  # noqa: BLE001 - every failure is the operator's one line
+            if args.debug:
+                traceback.print_exc()
+            print(f"logitpool: error: {one_line(exc)}", file=sys.stderr)
+            return EXIT_ERROR
     if args.what == "sampler":
         from worker.bench.sampler import main as bench_main
     elif args.what == "engine":

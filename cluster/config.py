@@ -40,7 +40,7 @@ QueueLimit = Annotated[int, Field(ge=-1)]
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _FQCN = re.compile(rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$")
-_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?|mps)$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?|mps)$")
 _ENV_NAME = re.compile(rf"^{_IDENT}$")
 
 
@@ -57,7 +57,8 @@ class EngineConfig(_Frozen):
     """Hugging Face hub id or local path; None = the embedded tiny model, built on first use."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str | None = None
-    """None = cuda if available, else cpu."""
+    """None = cuda if available, else cpu; but a worker replica Ray gave GPUs fails to start without
+    CUDA, unless `auto` (the same choice, CPU allowed)."""
     max_num_seqs: PositiveInt = 64
     max_num_batched_tokens: PositiveInt = 2048
     max_model_len: Annotated[int, Field(ge=2)] | None = None
@@ -78,7 +79,7 @@ class EngineConfig(_Frozen):
     @classmethod
     def _device_known(cls, value: str | None) -> str | None:
         if value is not None and not _DEVICE.match(value):
-            raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {value!r}")
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
         return value
 
     @field_validator("logits_processors")
@@ -186,6 +187,8 @@ class LogitpoolConfig(_Frozen):
     """Environment variable the ingress reads at start: comma-separated accepted keys."""
     app_name: str = Field(default="logitpool", min_length=1)
     route_prefix: str = "/"
+    served_model_name: str | None = Field(default=None, min_length=1)
+    """The `model` requests name and responses echo; None = the model's name (see `served_name`)."""
 
     @field_validator("api_key_env")
     @classmethod
@@ -217,6 +220,19 @@ class LogitpoolConfig(_Frozen):
                 f"({self.engine.max_num_seqs}), or the batch can never fill"
             )
         return self
+
+    @property
+    def served_name(self) -> str:
+        """`served_model_name`, else the model's name: a hub id as given, a local path's last
+        part (a server's filesystem layout is not its clients' business)."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        model = self.engine.model
+        if model is None:
+            return "tiny-llama"  # the embedded model's directory (worker.models.default_model_path)
+        if model.startswith(("/", ".", "~")) or Path(model).expanduser().exists():
+            return Path(model).expanduser().resolve().name or model
+        return model
 
     @property
     def worker_max_ongoing_requests(self) -> int:
@@ -266,7 +282,10 @@ def worker_engine_config(cfg: LogitpoolConfig) -> worker.config.EngineConfig:
     """The engine config a worker replica builds its engine from (processors by FQCN)."""
     from worker.config import EngineConfig as WorkerEngineConfig
 
-    return WorkerEngineConfig(**cfg.engine.model_dump())
+    fields = cfg.engine.model_dump()
+    if fields["device"] == "auto":  # the engine's own default makes the same choice
+        fields["device"] = None
+    return WorkerEngineConfig(**fields)
 
 
 def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:

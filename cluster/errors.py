@@ -18,6 +18,13 @@ from worker.async_engine import EngineDeadError
 logger = logging.getLogger(__name__)
 
 
+class ModelNotFound(Exception):
+    """A request named a model this server does not serve (404, as vLLM answers)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model: the model `{model[:200]}` does not exist")
+
+
 class RequestFailed(Exception):
     """The engine ended a request with finish_reason `error` (e.g. a processor raised)."""
 
@@ -34,7 +41,8 @@ def _validation_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        # A model-level check's message names its own field ("suffix: ..."); pydantic prefixes it.
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")).removeprefix("Value error, "))
     return "; ".join(parts)
 
 
@@ -55,6 +63,8 @@ def classify(exc: BaseException) -> Status:
             return classify(cause)
     if isinstance(exc, Unauthenticated):
         return Status(401, grpc.StatusCode.UNAUTHENTICATED, str(exc), "authentication_error")
+    if isinstance(exc, ModelNotFound):
+        return Status(404, grpc.StatusCode.NOT_FOUND, str(exc), "NotFoundError")
     if isinstance(exc, ValidationError):
         return Status(400, grpc.StatusCode.INVALID_ARGUMENT, _validation_message(exc), "invalid_request_error")
     if isinstance(exc, ValueError):  # 400 unless it says otherwise (cluster.limits.RequestRejected)

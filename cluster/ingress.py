@@ -25,7 +25,7 @@ from cluster import grpc_service, pool_stats
 from cluster import limits as request_limits
 from cluster.auth import ApiKeys
 from cluster.config import LogitpoolConfig, worker_engine_config
-from cluster.errors import RequestFailed, Status, classify, error_body, replica_unavailable
+from cluster.errors import ModelNotFound, RequestFailed, Status, classify, error_body, replica_unavailable
 from cluster.http_app import StrictJSONResponse, api, is_json, sse, status_response
 from cluster.limits import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from cluster.metrics import Metrics
@@ -36,7 +36,9 @@ from cluster.openai_protocol import (
     chat_response,
     completion_chunk,
     completion_response,
+    fit_to_context,
     new_id,
+    now,
     render_chat,
     usage,
     usage_chunk,
@@ -63,13 +65,14 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         bind_replica_grpc_to_node_ip()
         self.cfg = LogitpoolConfig.model_validate(config)
         engine = worker_engine_config(self.cfg)
-        self.model_name = engine.model or "logitpool-tiny"
+        self.model_name = self.cfg.served_name
         self.tokenizer = AutoTokenizer.from_pretrained(engine.model)
         vocab_size, max_model_len = model_limits(engine.model, engine.max_model_len)
         self.processors = build_logits_processors(
             engine, torch.device("cpu"), False, custom=engine.logits_processors, entry_points=engine.load_entry_points
         )
         self.validator = RequestValidator(self.tokenizer, vocab_size, max_model_len, engine.max_logprobs, self.processors)
+        self.max_model_len = max_model_len
         self.api_keys = ApiKeys(self.cfg.resolve_api_keys(os.environ))
         self.worker = worker
         self.timeout_s = REQUEST_TIMEOUT_S
@@ -185,6 +188,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
     async def _parse(self, request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
         self.api_keys.check(request.headers.get("authorization"))
         body = request_limits.parse_json(self.limits, await self._read_body(request))
+        if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] != self.model_name:
+            raise ModelNotFound(str(body["model"]))
         return model.model_validate(body)
 
     @api.post("/v1/completions")
@@ -196,7 +201,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         except Exception as exc:
             return self._error(exc)
         rid = new_id("cmpl")
-        model = body.model or self.model_name
+        model = self.model_name
         if body.stream:
             return StreamingResponse(self._stream_completions(rid, model, prompts, params, body),
                                      media_type="text/event-stream")
@@ -205,7 +210,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, outs)
-        return StrictJSONResponse(completion_response(rid, model, list(outs), self.decode_token, body.return_token_ids))
+        return StrictJSONResponse(completion_response(rid, model, list(outs), self.decode_token, body.return_token_ids,
+                                                      body.include_stop_str_in_output))
 
     async def _stream_completions(
         self, rid: str, model: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest
@@ -221,7 +227,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                 await queue.put((i, exc))
 
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
-        done, n_tokens = 0, 0
+        done, n_tokens, created = 0, 0, now()
+        sent: dict[int, int] = {}  # characters sent per choice index: the next text_offset
         try:
             while done < len(tasks):
                 i, item = await queue.get()
@@ -232,12 +239,19 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                     status = classify(item)
                     self._count_error(status, "http")
                     yield sse(error_body(status))
+                    yield "data: [DONE]\n\n"
                     return
                 for c in item.outputs:
                     n_tokens += len(c.token_ids)
-                    yield sse(completion_chunk(rid, model, c, self.decode_token, i * params.n, body.return_token_ids))
+                    index = i * params.n + c.index
+                    chunk = completion_chunk(rid, model, c, self.decode_token, i * params.n, body.return_token_ids,
+                                             created=created, text_offset=sent.get(index, 0),
+                                             include_stop=body.include_stop_str_in_output)
+                    sent[index] = sent.get(index, 0) + len(chunk["choices"][0]["text"])
+                    yield sse(chunk)
             if body.include_usage:
-                yield sse(usage_chunk(rid, model, "text_completion", usage(sum(map(len, prompts)), n_tokens)))
+                yield sse(usage_chunk(rid, model, "text_completion", usage(sum(map(len, prompts)), n_tokens),
+                                      created=created))
             self.metrics.request("http", 200, tokens=n_tokens)
             yield "data: [DONE]\n\n"
         finally:
@@ -251,10 +265,11 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
             params = body.sampling_params()
             prompt = render_chat(self.tokenizer, body.messages)
             (ids,) = await self.check_request_async(params, [prompt])
+            fit_to_context(params, len(ids), self.max_model_len)
         except Exception as exc:
             return self._error(exc)
         rid = new_id("chatcmpl")
-        model = body.model or self.model_name
+        model = self.model_name
         top_n = body.top_logprobs or 0
         if body.stream:
             return StreamingResponse(self._stream_chat(rid, model, ids, params, top_n, body),
@@ -265,27 +280,29 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
             return self._error(exc)
         self.metrics.request("http", 200, [out])
         return StrictJSONResponse(chat_response(rid, model, out, self.decode_token, top_n, body.return_token_ids,
-                                                body.forced_tool))
+                                                body.forced_tool, body.include_stop_str_in_output))
 
     async def _stream_chat(
         self, rid: str, model: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest
     ) -> AsyncIterator[str]:
         first: set[int] = set()
-        n_tokens = 0
+        n_tokens, created = 0, now()
         try:
             async for delta in self.stream_deltas(rid, ids, params):
                 for c in delta.outputs:
                     n_tokens += len(c.token_ids)
                     yield sse(chat_chunk(rid, model, c, self.decode_token, top_n, c.index not in first,
-                                          body.return_token_ids))
+                                          body.return_token_ids, created=created,
+                                          include_stop=body.include_stop_str_in_output))
                     first.add(c.index)
         except Exception as exc:
             status = classify(exc)
             self._count_error(status, "http")
             yield sse(error_body(status))
+            yield "data: [DONE]\n\n"
             return
         if body.include_usage:
-            yield sse(usage_chunk(rid, model, "chat.completion.chunk", usage(len(ids), n_tokens)))
+            yield sse(usage_chunk(rid, model, "chat.completion.chunk", usage(len(ids), n_tokens), created=created))
         self.metrics.request("http", 200, tokens=n_tokens)
         yield "data: [DONE]\n\n"
 
@@ -302,7 +319,8 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         if denied := self._denied(request):
             return denied
         return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "logitpool"}
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "logitpool", "root": self.model_name,
+             "parent": None, "max_model_len": self.max_model_len}
         ]})
 
     @api.get("/v1/processors")

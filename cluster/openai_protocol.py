@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.openai_structured import ForcedTool, forced_tool, reject_not_implemented, structured_from_fields, tool_call_message
 from worker.outputs import CompletionOutput, RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.sampling_params import INT64_MAX, SamplingParams
 
 LOGIT_BIAS_LIMIT = 100.0
 
@@ -59,6 +59,8 @@ class _SamplingFields(BaseModel):
     extra_args: dict[str, Any] | None = None
     # vLLM's extension: each choice (and stream chunk) also carries the generated token ids.
     return_token_ids: bool = False
+    # vLLM's extension: a matched stop string stays at the end of the text.
+    include_stop_str_in_output: bool = False
     # Structured outputs: at most one (cluster/openai_structured.py).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -72,6 +74,12 @@ class _SamplingFields(BaseModel):
     def _not_implemented(cls, body: Any) -> Any:
         reject_not_implemented(body)
         return body
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"n": self.n}
@@ -112,6 +120,13 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _no_suffix(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise ValueError("suffix: not supported by this server")
+        return self
 
     def sampling_params(self) -> SamplingParams:
         if self.echo:
@@ -126,8 +141,8 @@ class CompletionRequest(_SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
-            return [p]
-        if not p:
+            p = [p]
+        if not p or any(len(x) == 0 for x in p if not isinstance(x, int)):
             raise ValueError("prompt: must not be empty")
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
@@ -176,14 +191,22 @@ class ChatCompletionRequest(_SamplingFields):
             if self.stream:
                 raise ValueError("stream: streaming tool calls is not implemented; set stream=false")
             kw["structured_outputs"] = tool.constraint
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        if max_tokens is not None:
-            kw["max_tokens"] = max_tokens
+        # Neither given: up to the remaining context (vLLM), cut to it by fit_to_context.
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens: must be an integer >= 1, got {self.max_completion_tokens}")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        kw["max_tokens"] = max_tokens if max_tokens is not None else INT64_MAX
         if self.logprobs:
             kw["logprobs"] = self.top_logprobs or 0
         elif self.top_logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
         return SamplingParams(**kw)
+
+
+def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """Cap max_tokens (and min_tokens with it) at what the context leaves after the prompt."""
+    params.max_tokens = max(1, min(params.max_tokens, max_model_len - prompt_len))
+    params.min_tokens = min(params.min_tokens, params.max_tokens)
 
 
 # -- chat template -------------------------------------------------------------------------
@@ -207,6 +230,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def now() -> int:
+    """`created`: taken once per request, so every chunk of a stream carries the same value."""
+    return int(time.time())
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -215,16 +243,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_logprobs(c: CompletionOutput, decode: Any) -> dict[str, Any] | None:
-    """OpenAI's legacy completions logprobs object."""
+def completion_logprobs(c: CompletionOutput, decode: Any, text_offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's legacy completions logprobs object; offsets count from ``text_offset`` (the
+    length of the text already sent for this choice, when streaming)."""
     if c.logprobs is None:
         return None
-    tokens, token_logprobs, top = [], [], []
+    tokens, token_logprobs, top, offsets = [], [], [], []
     for tok, position in zip(c.token_ids, c.logprobs):
-        tokens.append(decode(tok))
+        text = decode(tok)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        tokens.append(text)
         token_logprobs.append(position[tok].logprob)
         top.append({decode(t): lp.logprob for t, lp in position.items()})
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": []}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_logprobs(c: CompletionOutput, decode: Any, top_n: int) -> dict[str, Any] | None:
@@ -245,82 +277,97 @@ def chat_logprobs(c: CompletionOutput, decode: Any, top_n: int) -> dict[str, Any
     return {"content": content}
 
 
-def _finish(c: CompletionOutput) -> str | None:
-    return c.finish_reason
+def output_text(c: CompletionOutput, include_stop: bool) -> str:
+    """The text, with the matched stop string put back when the request asked for it."""
+    if include_stop and c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+        return c.text + c.stop_reason
+    return c.text
 
 
-def _with_ids(choice: dict[str, Any], c: CompletionOutput, token_ids: bool) -> dict[str, Any]:
+def _choice(fields: dict[str, Any], c: CompletionOutput, token_ids: bool) -> dict[str, Any]:
+    """Fields every choice (and chunk choice) ends with: finish and stop reason, token ids."""
+    fields["finish_reason"] = c.finish_reason
+    fields["stop_reason"] = c.stop_reason
     if token_ids:
-        choice["token_ids"] = list(c.token_ids)
-    return choice
+        fields["token_ids"] = list(c.token_ids)
+    return fields
 
 
 def completion_response(
-    rid: str, model: str, outs: list[RequestOutput], decode: Any, token_ids: bool = False
+    rid: str, model: str, outs: list[RequestOutput], decode: Any, token_ids: bool = False,
+    include_stop: bool = False,
 ) -> dict[str, Any]:
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, out in enumerate(outs):
         prompt_tokens += len(out.prompt_token_ids)
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            choices.append(_with_ids({
+            choices.append(_choice({
                 "index": i * len(out.outputs) + c.index,
-                "text": c.text,
+                "text": output_text(c, include_stop),
                 "logprobs": completion_logprobs(c, decode),
-                "finish_reason": _finish(c),
             }, c, token_ids))
     return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "id": rid, "object": "text_completion", "created": now(), "model": model,
         "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
-def _chat_choice(c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool | None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": c.text}
-    reason = _finish(c)
+def _chat_choice(c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool | None,
+                 include_stop: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": output_text(c, include_stop)}
+    reason = c.finish_reason
     if tool is not None:
         message, reason = tool_call_message(tool, c.text, reason)
-    return {"index": c.index, "message": message, "logprobs": chat_logprobs(c, decode, top_n), "finish_reason": reason}
+    return {"index": c.index, "message": message, "logprobs": chat_logprobs(c, decode, top_n),
+            "finish_reason": reason, "stop_reason": c.stop_reason}
 
 
 def chat_response(
     rid: str, model: str, out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
-    tool: ForcedTool | None = None,
+    tool: ForcedTool | None = None, include_stop: bool = False,
 ) -> dict[str, Any]:
-    choices = [_with_ids(_chat_choice(c, decode, top_n, tool), c, token_ids) for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        choice = _chat_choice(c, decode, top_n, tool, include_stop)
+        if token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
     n_out = sum(len(c.token_ids) for c in out.outputs)
     return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "id": rid, "object": "chat.completion", "created": now(), "model": model,
         "choices": choices, "usage": usage(len(out.prompt_token_ids), n_out),
     }
 
 
 def completion_chunk(
-    rid: str, model: str, c: CompletionOutput, decode: Any, index_base: int = 0, token_ids: bool = False
+    rid: str, model: str, c: CompletionOutput, decode: Any, index_base: int = 0, token_ids: bool = False,
+    *, created: int, text_offset: int = 0, include_stop: bool = False,
 ) -> dict[str, Any]:
     return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [_with_ids({
-            "index": index_base + c.index, "text": c.text,
-            "logprobs": completion_logprobs(c, decode), "finish_reason": _finish(c),
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [_choice({
+            "index": index_base + c.index, "text": output_text(c, include_stop),
+            "logprobs": completion_logprobs(c, decode, text_offset),
         }, c, token_ids)],
     }
 
 
 def chat_chunk(
-    rid: str, model: str, c: CompletionOutput, decode: Any, top_n: int, first: bool, token_ids: bool = False
+    rid: str, model: str, c: CompletionOutput, decode: Any, top_n: int, first: bool, token_ids: bool = False,
+    *, created: int, include_stop: bool = False,
 ) -> dict[str, Any]:
-    delta: dict[str, Any] = {"content": c.text}
+    delta: dict[str, Any] = {"content": output_text(c, include_stop)}
     if first:
         delta["role"] = "assistant"
     return {
-        "id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-        "choices": [_with_ids({
-            "index": c.index, "delta": delta,
-            "logprobs": chat_logprobs(c, decode, top_n), "finish_reason": _finish(c),
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [_choice({
+            "index": c.index, "delta": delta, "logprobs": chat_logprobs(c, decode, top_n),
         }, c, token_ids)],
     }
 
 
-def usage_chunk(rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, int]) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": u}
+def usage_chunk(rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, int],
+                *, created: int) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u}

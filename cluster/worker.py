@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 
 from cluster import pool_stats
+from cluster.gpu_check import check_gpu
 from cluster.replica_bind import bind_replica_grpc_to_node_ip
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
@@ -40,9 +41,10 @@ logger = logging.getLogger(__name__)
 
 
 class LogitpoolWorker:
-    def __init__(self, engine: dict[str, Any], stream_interval_s: float = 0.0) -> None:
+    def __init__(self, engine: dict[str, Any], stream_interval_s: float = 0.0, allow_cpu: bool = True) -> None:
         bind_replica_grpc_to_node_ip()
         self.config = EngineConfig(**engine)
+        check_gpu(allow_cpu, self.config.device)
         self.stream_interval_s = stream_interval_s
         self.engine = AsyncEngine(self.config)
         self._seen: collections.deque[str] = collections.deque(maxlen=_SEEN_IDS)
@@ -87,6 +89,7 @@ class LogitpoolWorker:
         return {
             "replica_id": ctx.replica_id.unique_id,
             "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "num_requests": self._num_requests,
             "num_running": self.engine.num_running,
             "kv_cache_bytes": self.engine.engine.runner.kv_cache_bytes,

@@ -19,6 +19,8 @@ os.environ.setdefault("LOGITPOOL_HTTP_READ_TIMEOUT_S", str(TEST_READ_TIMEOUT_S))
 # Test-only worker hooks (LogitpoolWorker.debug_kill_engine) for the engine-death test.
 os.environ.setdefault("LOGITPOOL_DEBUG_HOOKS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Serve says replicas wait to be scheduled after 5 s, not 30 (tests/cluster/test_operator.py).
+os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", "5")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_SITE = REPO_ROOT / "tests" / "fixtures" / "plugin_site"
@@ -56,6 +58,7 @@ def ray_cluster():
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         num_cpus=8,
+        num_gpus=2,  # declared only: GPU placement is tested without GPUs (tests/cluster/test_operator.py)
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_AUTH_MODE": "disabled", "LOGITPOOL_DEBUG_HOOKS": "1",

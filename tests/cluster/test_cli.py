@@ -12,7 +12,7 @@ from cluster.cli import _serve_parser, build_config
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    _serve_parser(parser.add_subparsers(dest="cmd"))
+    _serve_parser(parser.add_subparsers(dest="cmd"), argparse.ArgumentParser(add_help=False))
     return parser.parse_args(["serve", *argv])
 
 

@@ -19,6 +19,7 @@ from tests.worker.test_engine import DUMMY_FQCN
 pytestmark = pytest.mark.ray
 
 APP = "logitpool"
+MODEL = "tiny"  # the served model name requests must use
 TARGET = 67
 
 
@@ -28,7 +29,7 @@ def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolCon
                    "logits_processors": [DUMMY_FQCN]},
         "workers": {"num_replicas": 1, "num_cpus": 1, **workers},
         "server": {"http_port": http_port, "grpc_port": grpc_port},
-        "app_name": APP,
+        "app_name": APP, "served_model_name": MODEL,
     })
 
 
@@ -85,51 +86,51 @@ def greedy(prompt, n=8, **kw):
 
 
 def test_openai_completions(oai):
-    r = oai.completions.create(model="x", **greedy("def main(", 8), extra_body={"ignore_eos": True})
+    r = oai.completions.create(model=MODEL, **greedy("def main(", 8), extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
-    again = oai.completions.create(model="x", **greedy("def main(", 8), extra_body={"ignore_eos": True})
+    again = oai.completions.create(model=MODEL, **greedy("def main(", 8), extra_body={"ignore_eos": True})
     assert again.choices[0].text == r.choices[0].text
-    stream = oai.completions.create(model="x", **greedy("def main(", 8), stream=True, extra_body={"ignore_eos": True})
+    stream = oai.completions.create(model=MODEL, **greedy("def main(", 8), stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
 
 
 def test_openai_chat(oai):
     msgs = [{"role": "user", "content": "hello there"}]
-    r = oai.chat.completions.create(model="x", messages=msgs, max_tokens=6, temperature=0.0,
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.0,
                                     extra_body={"ignore_eos": True})
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
-    stream = oai.chat.completions.create(model="x", messages=msgs, max_tokens=6, temperature=0.0, stream=True,
+    stream = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.0, stream=True,
                                          extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
 
 
 def test_openai_logprobs_seed_stop_bias(oai):
-    r = oai.completions.create(model="x", prompt="import os", max_tokens=6, temperature=1.0, seed=11, logprobs=3,
+    r = oai.completions.create(model=MODEL, prompt="import os", max_tokens=6, temperature=1.0, seed=11, logprobs=3,
                                extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 6 and len(lp.token_logprobs) == 6
     assert all(len(t) in (3, 4) for t in lp.top_logprobs)
-    same = oai.completions.create(model="x", prompt="import os", max_tokens=6, temperature=1.0, seed=11,
+    same = oai.completions.create(model=MODEL, prompt="import os", max_tokens=6, temperature=1.0, seed=11,
                                   extra_body={"ignore_eos": True})
     assert same.choices[0].text == r.choices[0].text
-    chat = oai.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     assert len(chat.choices[0].logprobs.content) == 4
     assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
-    free = oai.completions.create(model="x", **greedy("class Foo", 12), extra_body={"ignore_eos": True}).choices[0]
+    free = oai.completions.create(model=MODEL, **greedy("class Foo", 12), extra_body={"ignore_eos": True}).choices[0]
     stop = free.text[2:5]
-    cut = oai.completions.create(model="x", **greedy("class Foo", 12), stop=[stop], extra_body={"ignore_eos": True})
+    cut = oai.completions.create(model=MODEL, **greedy("class Foo", 12), stop=[stop], extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == free.text[: free.text.index(stop)]
-    biased = oai.completions.create(model="x", **greedy("class Foo", 5), logit_bias={str(TARGET): 100},
+    biased = oai.completions.create(model=MODEL, **greedy("class Foo", 5), logit_bias={str(TARGET): 100},
                                     extra_body={"ignore_eos": True, "return_token_ids": True})
     assert biased.choices[0].text == oai.completions.create(
-        model="x", **greedy("class Foo", 5), extra_body={"ignore_eos": True, "vllm_xargs": {"target_token": TARGET}}
+        model=MODEL, **greedy("class Foo", 5), extra_body={"ignore_eos": True, "vllm_xargs": {"target_token": TARGET}}
     ).choices[0].text
 
 
 def test_openai_vllm_xargs_drive_the_custom_processor(oai, grpc_client):
-    r = oai.completions.create(model="x", prompt="hello", max_tokens=7, temperature=0.9,
+    r = oai.completions.create(model=MODEL, prompt="hello", max_tokens=7, temperature=0.9,
                                extra_body={"vllm_xargs": {"target_token": TARGET}, "ignore_eos": True})
     ids = grpc_client.generate("hello", max_tokens=7, temperature=0.9, ignore_eos=True,
                                extra_args={"target_token": TARGET}).token_ids
@@ -137,10 +138,10 @@ def test_openai_vllm_xargs_drive_the_custom_processor(oai, grpc_client):
     assert r.choices[0].text == grpc_client.generate("hello", max_tokens=7, ignore_eos=True,
                                                      extra_args={"target_token": TARGET}).text
     with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(model="x", prompt="hello", max_tokens=4, extra_body={"vllm_xargs": {"target_token": "abc"}})
+        oai.completions.create(model=MODEL, prompt="hello", max_tokens=4, extra_body={"vllm_xargs": {"target_token": "abc"}})
     assert "target_token value abc is not int" in str(err.value)
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        oai.completions.create(model="x", prompt="hello", max_tokens=4, temperature=5.0)
+        oai.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=5.0)
 
 
 def test_http_endpoints(serving):
@@ -214,7 +215,7 @@ def test_validation_happens_at_the_ingress(grpc_client, oai):
         with pytest.raises(InvalidArgument):
             grpc_client.generate("x", extra_args={"target_token": "abc"})
         with pytest.raises(openai.BadRequestError):
-            oai.completions.create(model="x", prompt="x", extra_body={"vllm_xargs": {"target_token": [1]}})
+            oai.completions.create(model=MODEL, prompt="x", extra_body={"vllm_xargs": {"target_token": [1]}})
     after = sum(i["num_requests"] for i in worker_infos().values())
     assert after == before, "a rejected request must never reach a worker"
     grpc_client.generate("x", max_tokens=2)

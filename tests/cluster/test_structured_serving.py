@@ -19,6 +19,7 @@ from cluster.config import LogitpoolConfig
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 APP = "structured"
+MODEL = "tiny"  # the served model name requests must use
 MSG = [{"role": "user", "content": "judge this"}]
 
 
@@ -38,7 +39,7 @@ def serving(serve_ports, tiny_model_dir):
         "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": 1024},
         "workers": {"num_replicas": 1, "num_cpus": 1},
         "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-        "app_name": APP,
+        "app_name": APP, "served_model_name": MODEL,
     })
     deploy(cfg)
     wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
@@ -59,7 +60,7 @@ def grpc_client(serving):
 
 def test_sdk_parse_round_trips_a_pydantic_model(oai):
     for seed in range(3):
-        r = oai.chat.completions.parse(model="x", messages=MSG, response_format=Verdict, max_tokens=64, seed=seed)
+        r = oai.chat.completions.parse(model=MODEL, messages=MSG, response_format=Verdict, max_tokens=64, seed=seed)
         assert r.choices[0].finish_reason == "stop"
         assert isinstance(r.choices[0].message.parsed, Verdict)
 
@@ -69,23 +70,23 @@ def test_named_tool_call(oai):
                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
               "required": ["city", "days"]}
     tools = [{"type": "function", "function": {"name": "forecast", "parameters": params}}]
-    r = oai.chat.completions.create(model="x", messages=MSG, tools=tools, max_tokens=64, seed=1,
+    r = oai.chat.completions.create(model=MODEL, messages=MSG, tools=tools, max_tokens=64, seed=1,
                                     tool_choice={"type": "function", "function": {"name": "forecast"}})
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "forecast" and r.choices[0].message.content is None
     jsonschema.validate(json.loads(call.function.arguments), params)
     with pytest.raises(openai.BadRequestError, match="tool_choice: 'auto'"):
-        oai.chat.completions.create(model="x", messages=MSG, tools=tools, max_tokens=8)
+        oai.chat.completions.create(model=MODEL, messages=MSG, tools=tools, max_tokens=8)
 
 
 def test_vllm_fields_and_streaming(oai):
-    r = oai.completions.create(model="x", prompt="p", max_tokens=16, n=3, seed=5,
+    r = oai.completions.create(model=MODEL, prompt="p", max_tokens=16, n=3, seed=5,
                                extra_body={"guided_choice": ["red", "green", "blue"]})
     assert {c.text for c in r.choices} <= {"red", "green", "blue"}
-    r = oai.completions.create(model="x", prompt="p", max_tokens=32,
+    r = oai.completions.create(model=MODEL, prompt="p", max_tokens=32,
                                extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}})
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", r.choices[0].text)
-    chunks = oai.chat.completions.create(model="x", messages=MSG, max_tokens=64, seed=2, stream=True,
+    chunks = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=64, seed=2, stream=True,
                                          response_format={"type": "json_schema", "json_schema": {
                                              "name": "v", "schema": Verdict.model_json_schema()}})
     Verdict.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
@@ -103,7 +104,7 @@ def test_vllm_fields_and_streaming(oai):
 )
 def test_invalid_constraint_is_a_400_naming_the_field(oai, extra, needle):
     with pytest.raises(openai.BadRequestError, match=needle):
-        oai.completions.create(model="x", prompt="p", max_tokens=4, extra_body=extra)
+        oai.completions.create(model=MODEL, prompt="p", max_tokens=4, extra_body=extra)
 
 
 def test_grpc_oneof_and_invalid_argument(grpc_client):
