@@ -71,3 +71,24 @@ def ray_cluster():
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+# Clients of a module's deployment: each serving test module defines its own `serving` fixture
+# (a LogitpoolConfig it deployed); these resolve it per module.
+
+
+@pytest.fixture(scope="module")
+def oai(serving):
+    """The official openai SDK pointed at the module's deployment."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{serving.server.http_port}/v1", api_key="unused", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(serving):
+    """The client library over gRPC to the module's deployment."""
+    from client import Client
+
+    with Client(f"127.0.0.1:{serving.server.grpc_port}", timeout=60) as c:
+        yield c

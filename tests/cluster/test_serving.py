@@ -67,17 +67,6 @@ def worker_infos(samples: int = 12) -> dict[str, dict]:
     return infos
 
 
-@pytest.fixture(scope="module")
-def oai(serving):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{serving.server.http_port}/v1", api_key="unused", timeout=60)
-
-
-@pytest.fixture(scope="module")
-def grpc_client(serving):
-    with Client(f"127.0.0.1:{serving.server.grpc_port}", timeout=60) as c:
-        yield c
-
-
 def greedy(prompt, n=8, **kw):
     return {"prompt": prompt, "max_tokens": n, "temperature": 0.0, **kw}
 

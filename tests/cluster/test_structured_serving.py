@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from client import Client, InvalidArgument
+from client import InvalidArgument
 from cluster.config import LogitpoolConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -45,17 +45,6 @@ def serving(serve_ports, tiny_model_dir):
     wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
     yield cfg
     serve.delete(APP)
-
-
-@pytest.fixture(scope="module")
-def oai(serving):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{serving.server.http_port}/v1", api_key="unused", timeout=60)
-
-
-@pytest.fixture(scope="module")
-def grpc_client(serving):
-    with Client(f"127.0.0.1:{serving.server.grpc_port}", timeout=60) as c:
-        yield c
 
 
 def test_sdk_parse_round_trips_a_pydantic_model(oai):

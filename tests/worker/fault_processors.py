@@ -9,37 +9,23 @@ from typing import Any
 
 import torch
 
-from worker.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from worker.logits_processor import BatchUpdate, LogitsProcessor
+from worker.logits_processor.state import RowStates
 
 
 class _PerRow(LogitsProcessor):
-    """Keeps ``extra_args[KEY]`` per row through adds, removes and moves (the seeds' pattern)."""
+    """Keeps ``extra_args[KEY]`` per row through adds, removes and moves (``RowStates``)."""
 
     KEY = ""
 
     def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.rows: dict[int, Any] = {}
+        self.rows: RowStates[Any] = RowStates(lambda params, _prompt, _out: (params.extra_args or {}).get(self.KEY))
 
     def is_argmax_invariant(self) -> bool:
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for index, params, _, _ in batch_update.added:
-            value = (params.extra_args or {}).get(self.KEY)
-            if value is None:
-                self.rows.pop(index, None)
-            else:
-                self.rows[index] = value
-        for src, dst, kind in batch_update.moved:
-            a, b = self.rows.pop(src, None), self.rows.pop(dst, None)
-            if a is not None:
-                self.rows[dst] = a
-            if kind == MoveDirectionality.SWAP and b is not None:
-                self.rows[src] = b
+        self.rows.update(batch_update)
 
 
 class ForceTokensProcessor(_PerRow):
@@ -59,7 +45,7 @@ class NaNProcessor(_PerRow):
     KEY = "nan"
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for row in self.rows:
+        for row, _ in self.rows.items():
             logits[row, 0] = float("nan")
         return logits
 

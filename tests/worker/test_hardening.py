@@ -266,6 +266,16 @@ class _FailingForward:
         return self.execute(seqs)
 
 
+def assert_serves_again(engine: LLMEngine, loaded, prompt: list[int]) -> None:
+    """After a failure, a fresh greedy request gets exactly the tokens of its solo run."""
+    engine.add_request("after", prompt, SamplingParams(**GREEDY))
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    assert tokens == solo(loaded, prompt, SamplingParams(**GREEDY))
+
+
 def test_forward_failure_fails_its_rows_and_the_engine_goes_on(tiny_model):
     engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
     engine.runner.execute = _FailingForward(engine.runner.execute, fail_at=3)
@@ -282,12 +292,7 @@ def test_forward_failure_fails_its_rows_and_the_engine_goes_on(tiny_model):
     assert {r: c.finish_reason for r, c in finals.items()} == {"r0": "error", "r1": "error"}
     assert "model forward" in finals["r0"].error and "injected" in finals["r0"].error
     assert engine.kv.stats()["blocks_used"] == 0  # every KV block released
-    engine.add_request("after", prompts[0], SamplingParams(**GREEDY))
-    tokens = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.outputs[0].token_ids
-    assert tokens == solo(tiny_model, prompts[0], SamplingParams(**GREEDY))
+    assert_serves_again(engine, tiny_model, prompts[0])
 
 
 def test_a_fault_no_replay_reproduces_fails_the_step_and_the_engine_goes_on(tiny_model):
@@ -304,12 +309,7 @@ def test_a_fault_no_replay_reproduces_fails_the_step_and_the_engine_goes_on(tiny
     assert sorted(finals) == ["r0", "r1"]
     assert all(c.finish_reason == "error" and "FlakyApplyProcessor" in c.error for c in finals.values())
     assert engine.num_restarts == 1
-    engine.add_request("after", prompts[0], SamplingParams(**GREEDY))
-    tokens = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.outputs[0].token_ids
-    assert tokens == solo(tiny_model, prompts[0], SamplingParams(**GREEDY))
+    assert_serves_again(engine, tiny_model, prompts[0])
 
 
 class _NaNForward:
