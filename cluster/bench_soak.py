@@ -295,10 +295,8 @@ async def grpc_request(gc: AsyncClient, prompt: str, sampling: dict[str, Any], s
         return (FAULTED, out.error) if out.error else (OK, out.finish_reason or "")
     except InternalError as exc:
         return FAULTED, str(exc)
-    except Unavailable as exc:
-        return UNAVAILABLE, str(exc)
     except LogitpoolError as exc:
-        return (REJECTED if exc.code == grpc.StatusCode.INVALID_ARGUMENT else UNEXPECTED), f"{exc.code}: {exc}"
+        return _grpc_outcome(exc.code, str(exc)), f"{exc.code}: {exc}"
 
 
 async def grpc_cancelled_stream(gc: AsyncClient, prompt: str, sampling: dict[str, Any]) -> tuple[str, str]:
@@ -316,17 +314,84 @@ async def grpc_cancelled_stream(gc: AsyncClient, prompt: str, sampling: dict[str
 # -- the load -------------------------------------------------------------------------------
 
 
+def _grpc_outcome(code: grpc.StatusCode | None, details: str) -> str:
+    """INVALID_ARGUMENT with a message free of internal class names is a rejection; else a surprise."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT and details and "<class" not in details:
+        return REJECTED
+    return UNAVAILABLE if code == grpc.StatusCode.UNAVAILABLE else UNEXPECTED
+
+
+@dataclass
+class _Load:
+    """The clients and request makers one soak run shares across its requests."""
+
+    hc: httpx.AsyncClient
+    gc: AsyncClient
+    base: str
+    vocab: int
+    hostile_grpc: list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]
+
+    async def send(self, kind: str, r: random.Random) -> tuple[str, str, str]:
+        """One request of ``kind``: (name, outcome, detail); never raises, never waits unbounded."""
+        try:
+            return await asyncio.wait_for(self._send(kind, r), REQUEST_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return kind, UNEXPECTED, f"no answer within {REQUEST_TIMEOUT_S:.0f} s"
+        except Exception as exc:  # noqa: BLE001 - any client-side surprise is one request's outcome
+            return kind, UNEXPECTED, f"{type(exc).__name__}: {exc}"
+
+    async def _send(self, kind: str, r: random.Random) -> tuple[str, str, str]:
+        hc, gc, base = self.hc, self.gc, self.base
+        prompt, sampling = random_prompt(r), random_sampling(r, self.vocab)
+        if kind == HOSTILE:
+            if r.random() < 0.25:
+                name, call = r.choice(self.hostile_grpc)
+                try:
+                    await call(gc)
+                    return name, OK, ""
+                except grpc.RpcError as exc:
+                    code, details = exc.code(), exc.details() or ""
+                except LogitpoolError as exc:
+                    code, details = exc.code, str(exc)
+                return name, _grpc_outcome(code, details), f"{code}: {details}"
+            name, path, body, headers, ok = r.choice(HOSTILE_HTTP)
+            return name, *(await http_request(hc, base, path, body, headers, ok))
+        if kind == CANCEL:
+            sampling["max_tokens"] = 64
+            sampling["ignore_eos"] = True
+            if r.random() < 0.5:
+                return "http_stream", *(await http_cancelled_stream(hc, base, {"prompt": prompt, **sampling}))
+            return "grpc_stream", *(await grpc_cancelled_stream(gc, prompt, sampling))
+        if kind == FAULT:
+            sampling["extra_args"] = {"fault": r.choice(["apply", "update_state", "nan"])}
+            sampling["ignore_eos"] = True
+            sampling["min_tokens"] = sampling["max_tokens"] = max(2, sampling["max_tokens"])
+        shape = r.choice(["http_completion", "http_chat", "http_stream", "grpc", "grpc_stream"])
+        if shape.startswith("grpc"):
+            return shape, *(await grpc_request(gc, prompt, sampling, stream=shape == "grpc_stream"))
+        if shape == "http_chat":
+            body = {"messages": [{"role": "user", "content": prompt}], **sampling}
+            if "extra_args" in body:
+                body["vllm_xargs"] = body.pop("extra_args")
+            result, detail = await http_request(hc, base, "/v1/chat/completions", body, {})
+        else:
+            body = {"prompt": prompt, **sampling, "stream": shape == "http_stream"}
+            result, detail = await http_request(hc, base, "/v1/completions", body, {})
+        if kind == FAULT and result == UNEXPECTED and detail.startswith("status 500"):
+            result = FAULTED  # a non-streamed request whose processor failed: 500 with a JSON error body
+        return shape, result, detail
+
+
 async def run_soak(
     http_base: str, grpc_target: str, *, requests: int, concurrency: int, seed: int = 0, vocab: int = 3000,
     on_half: Callable[[], Awaitable[tuple[float, int] | None]] | None = None,
 ) -> SoakReport:
-    """Send the mixed load; ``on_half`` (the replica kill) runs once half the requests started."""
+    """Send the mixed load; ``on_half`` (the replica kill) runs once a quarter of it has ended."""
     rng = random.Random(seed)
     n_hostile, n_cancel, n_fault = round(0.10 * requests), round(0.10 * requests), max(1, round(0.01 * requests))
     plan = [HOSTILE] * n_hostile + [CANCEL] * n_cancel + [FAULT] * n_fault
     plan += [INNOCENT] * (requests - len(plan))
     rng.shuffle(plan)
-    hostile_grpc = _grpc_hostile()
     report = SoakReport([])
     t0 = time.monotonic()
     sem = asyncio.Semaphore(concurrency)
@@ -334,19 +399,20 @@ async def run_soak(
 
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as hc, \
             AsyncClient(grpc_target, timeout=REQUEST_TIMEOUT_S) as gc:
+        load = _Load(hc, gc, http_base, vocab, _grpc_hostile())
 
-        async def one(i: int, kind: str, r: random.Random) -> None:
+        async def one(kind: str, r: random.Random) -> None:
             async with sem:
                 start = time.monotonic() - t0
-                name, result, detail = await _dispatch(kind, r, hc, gc, http_base, hostile_grpc, vocab)
+                name, result, detail = await load.send(kind, r)
                 report.outcomes.append(Outcome(kind, name, result, detail, start, time.monotonic() - t0))
 
         tasks = []
         for i, kind in enumerate(plan):
-            tasks.append(asyncio.create_task(one(i, kind, random.Random(rng.random()))))
+            tasks.append(asyncio.create_task(one(kind, random.Random(rng.random()))))
             if i == requests // 2 and on_half is not None:
                 # Let the first half get going, then kill.
-                while sum(1 for o in report.outcomes) < requests // 4:
+                while len(report.outcomes) < requests // 4:
                     await asyncio.sleep(0.05)
                 killed = await on_half()
                 if killed is not None:
@@ -355,66 +421,6 @@ async def run_soak(
         await asyncio.gather(*tasks)
     report.seconds = time.monotonic() - t0
     return report
-
-
-async def _dispatch(kind: str, r: random.Random, hc: httpx.AsyncClient, gc: AsyncClient, base: str,
-                    hostile_grpc: list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]],
-                    vocab: int) -> tuple[str, str, str]:
-    try:
-        return await asyncio.wait_for(_dispatch_inner(kind, r, hc, gc, base, hostile_grpc, vocab), REQUEST_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        return kind, UNEXPECTED, f"no answer within {REQUEST_TIMEOUT_S:.0f} s"
-    except Exception as exc:  # noqa: BLE001 - any client-side surprise is one request's outcome
-        return kind, UNEXPECTED, f"{type(exc).__name__}: {exc}"
-
-
-async def _dispatch_inner(kind: str, r: random.Random, hc: httpx.AsyncClient, gc: AsyncClient, base: str,
-                          hostile_grpc: list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]],
-                          vocab: int) -> tuple[str, str, str]:
-    prompt, sampling = random_prompt(r), random_sampling(r, vocab)
-    if kind == HOSTILE:
-        if r.random() < 0.25:
-            name, call = r.choice(hostile_grpc)
-            try:
-                await call(gc)
-                return name, OK, ""
-            except grpc.RpcError as exc:
-                code = exc.code()
-                detail = f"{code}: {exc.details()}"
-                if code == grpc.StatusCode.INVALID_ARGUMENT and "Unexpected <class" not in (exc.details() or ""):
-                    return name, REJECTED, detail
-                return name, UNEXPECTED, detail
-            except LogitpoolError as exc:
-                if exc.code == grpc.StatusCode.INVALID_ARGUMENT and "Unexpected <class" not in str(exc):
-                    return name, REJECTED, str(exc)
-                return name, UNEXPECTED, f"{exc.code}: {exc}"
-        name, path, body, headers, ok = r.choice(HOSTILE_HTTP)
-        result, detail = await http_request(hc, base, path, body, headers, ok)
-        return name, result, detail
-    if kind == CANCEL:
-        sampling["max_tokens"] = 64
-        sampling["ignore_eos"] = True
-        if r.random() < 0.5:
-            return "http_stream", *(await http_cancelled_stream(hc, base, {"prompt": prompt, **sampling}))
-        return "grpc_stream", *(await grpc_cancelled_stream(gc, prompt, sampling))
-    if kind == FAULT:
-        sampling["extra_args"] = {"fault": r.choice(["apply", "update_state", "nan"])}
-        sampling["ignore_eos"] = True
-        sampling["min_tokens"] = sampling["max_tokens"] = max(2, sampling["max_tokens"])
-    shape = r.choice(["http_completion", "http_chat", "http_stream", "grpc", "grpc_stream"])
-    if shape.startswith("grpc"):
-        return shape, *(await grpc_request(gc, prompt, sampling, stream=shape == "grpc_stream"))
-    if shape == "http_chat":
-        body = {"messages": [{"role": "user", "content": prompt}], **sampling}
-        if "extra_args" in body:
-            body["vllm_xargs"] = body.pop("extra_args")
-        result, detail = await http_request(hc, base, "/v1/chat/completions", body, {})
-    else:
-        body = {"prompt": prompt, **sampling, "stream": shape == "http_stream"}
-        result, detail = await http_request(hc, base, "/v1/completions", body, {})
-    if kind == FAULT and result == UNEXPECTED and detail.startswith("status 500"):
-        result = FAULTED  # a non-streamed request whose processor failed: 500 with a JSON error body
-    return shape, result, detail
 
 
 # -- the local deployment and the kill ------------------------------------------------------
