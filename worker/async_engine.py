@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
@@ -48,6 +48,8 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)
     restarts: int = 0  # times the batch state was rebuilt after a failure
     kv: dict[str, float] = field(default_factory=dict)  # LLMEngine.kv_stats() where available
+    # The user request id of every row of the persistent batch after the last step, in row order.
+    batch_request_ids: tuple[str, ...] = ()
 
 
 class AsyncEngine:
@@ -60,6 +62,9 @@ class AsyncEngine:
         self._stopping = False
         self.dead: BaseException | None = None
         self.heartbeat = time.monotonic()
+        # Engine state is owned by the engine thread; other threads read this copy, which the
+        # engine thread replaces (one reference assignment) after every step.
+        self._published = self._snapshot_engine()
 
     @property
     def config(self) -> EngineConfig:
@@ -78,16 +83,25 @@ class AsyncEngine:
         return self._thread.is_alive() and time.monotonic() - self.heartbeat < stall_timeout_s
 
     def stats(self) -> EngineStats:
-        eng = self.engine
-        kv_stats = getattr(eng, "kv_stats", None)
-        return EngineStats(
+        """Liveness now, engine counters as of the last step (safe to call from any thread)."""
+        return replace(
+            self._published,
             alive=self.healthy(),
             heartbeat_age_s=time.monotonic() - self.heartbeat if self._thread is not None else 0.0,
+        )
+
+    def _snapshot_engine(self) -> EngineStats:
+        """Read the engine's counters; only on the engine thread (or before it starts)."""
+        eng = self.engine
+        return EngineStats(
+            alive=True,
+            heartbeat_age_s=0.0,
             num_running=eng.num_running,
             num_waiting=eng.num_waiting,
             finished=dict(eng.finish_counts),
             restarts=eng.num_restarts,
-            kv=dict(kv_stats()) if kv_stats is not None else {},
+            kv=dict(eng.kv_stats()),
+            batch_request_ids=tuple(eng.batch_request_ids()),
         )
 
     def validate(self, params: SamplingParams) -> None:
@@ -154,6 +168,7 @@ class AsyncEngine:
                 self.dead = exc
                 loop.call_soon_threadsafe(self._fail_all, exc)
                 return
+            self._published = self._snapshot_engine()
             if outputs:
                 loop.call_soon_threadsafe(self._dispatch, outputs)
 

@@ -94,7 +94,7 @@ def test_consumer_cancellation_and_abort_free_the_row(tiny_model):
             if got == 3:
                 break
         await agen.aclose()
-        steps = await _steps_until(engine, lambda: "cancel-me" not in engine.engine.batch_request_ids())
+        steps = await _steps_until(engine, lambda: "cancel-me" not in engine.stats().batch_request_ids)
         assert steps <= 2  # the abort is seen at the next step start and removed in that step's update
 
         async def consume():
@@ -102,12 +102,12 @@ def test_consumer_cancellation_and_abort_free_the_row(tiny_model):
                 pass
 
         task = asyncio.create_task(consume())
-        await _steps_until(engine, lambda: "abort-me" in engine.engine.batch_request_ids())
+        await _steps_until(engine, lambda: "abort-me" in engine.stats().batch_request_ids)
         await engine.abort("abort-me")
-        steps = await _steps_until(engine, lambda: "abort-me" not in engine.engine.batch_request_ids())
+        steps = await _steps_until(engine, lambda: "abort-me" not in engine.stats().batch_request_ids)
         assert steps <= 2
         await asyncio.wait_for(task, 30)
-        assert engine.engine.kv_stats()["blocks_used"] == 0
+        assert engine.stats().kv["blocks_used"] == 0
         await engine.shutdown()
 
     asyncio.run(main())
