@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test serve bench clean protos
+.PHONY: venv test serve bench clean protos helm-schema
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ bench: venv
 
 protos: venv
 	$(BIN)/python protos/generate.py
+
+# The Helm values schema, generated from the config model (tests/cluster/test_helm_schema.py checks it).
+helm-schema: venv
+	$(BIN)/python -m cluster.helm_schema
 
 clean:
 	rm -rf $(VENV)

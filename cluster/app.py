@@ -7,10 +7,11 @@ from typing import Any
 
 from ray import serve
 
-from cluster.config import LogitpoolConfig, worker_engine_config
+from cluster.config import LogitpoolConfig
 from cluster.ingress import IngressDeployment
 from cluster.serve_config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, deployment_options
-from cluster.worker import WorkerDeployment
+from cluster.worker import EngineFactory, WorkerDeployment
+from worker.async_engine import AsyncEngine
 from worker.logits_processor.registry import fqcn_of, resolve_processor_class
 
 
@@ -41,16 +42,19 @@ def resolve_model(cfg: LogitpoolConfig) -> LogitpoolConfig:
     return cfg.with_overrides(**{"engine.model": str(path)})
 
 
-def build_app(cfg: LogitpoolConfig, *, processors: Sequence[type] = ()) -> serve.Application:
+def build_app(
+    cfg: LogitpoolConfig, *, processors: Sequence[type] = (), engine_factory: EngineFactory = AsyncEngine
+) -> serve.Application:
+    """The application; `engine_factory` builds each worker replica's engine from its EngineConfig
+    (by reference: a class or module-level function, so it pickles)."""
     if processors:
         cfg = cfg.with_overrides(**{
             "engine.logits_processors": cfg.engine.logits_processors + processor_fqcns(processors)
         })
     cfg = resolve_model(cfg)
-    engine = worker_engine_config(cfg)
     opts = deployment_options(cfg)
     worker = WorkerDeployment.options(**opts[WORKER_DEPLOYMENT]).bind(
-        engine=engine.as_kwargs(), stream_interval_s=cfg.workers.stream_interval_s, allow_cpu=cfg.engine.device == "auto"
+        engine=cfg.engine.as_kwargs(), stream_interval_s=cfg.workers.stream_interval_s, engine_factory=engine_factory
     )
     return IngressDeployment.options(**opts[INGRESS_DEPLOYMENT]).bind(worker, cfg.model_dump())
 

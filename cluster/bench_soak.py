@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000)
     args = p.parse_args(argv)
-    from cluster.cli import start_serve, wait_ready
+    from cluster.launch import start_serve, wait_ready
     from worker.models import build_tiny_model, default_model_path
 
     cfg = soak_config(str(build_tiny_model(default_model_path())), args.http_port, args.grpc_port)

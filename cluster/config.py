@@ -10,13 +10,15 @@ fails instead of being ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -25,14 +27,17 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     SecretStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
     model_validator,
 )
 
-from cluster.limits import Limits
+from pydantic_core import InitErrorDetails
 
-if TYPE_CHECKING:
-    import worker.config
+from cluster.limits import Limits
+from worker.config import EngineConfig as WorkerEngineConfig
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 # Serve's convention: -1 means an unbounded queue.
@@ -50,58 +55,59 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class EngineConfig(_Frozen):
-    """What each worker replica's engine is built with."""
+# The worker's own engine config (a frozen dataclass, defaults stated there), embedded as-is; a
+# config file sees its fields under `engine:`. These are the config file's extra rules on top of
+# the dataclass's own checks, also published in the Helm values schema (cluster.helm_schema).
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerEngineConfig))
+ENGINE_JSON_SCHEMA: dict[str, dict[str, Any]] = {
+    "dtype": {"enum": list(DTYPES)},
+    "device": {"pattern": _DEVICE.pattern},
+    "max_num_seqs": {"minimum": 1},
+    "max_num_batched_tokens": {"minimum": 1},
+    "max_model_len": {"minimum": 2},
+    "max_logprobs": {"minimum": 0},
+    "logits_processors": {"items": {"type": "string", "pattern": _FQCN.pattern}},
+    "block_size": {"minimum": 1},
+    "kv_cache_bytes": {"minimum": 1},
+    "kv_cache_memory_fraction": {"exclusiveMinimum": 0, "maximum": 1},
+}
 
-    model: str | None = None
-    """Hugging Face hub id or local path; None = the embedded tiny model, built on first use."""
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    device: str | None = None
-    """None = cuda if available, else cpu; but a worker replica Ray gave GPUs fails to start without
-    CUDA, unless `auto` (the same choice, CPU allowed)."""
-    max_num_seqs: PositiveInt = 64
-    max_num_batched_tokens: PositiveInt = 2048
-    max_model_len: Annotated[int, Field(ge=2)] | None = None
-    max_logprobs: NonNegativeInt = 20
-    seed: int = 0
-    logits_processors: tuple[str, ...] = ()
-    """FQCNs `"dotted.module:ClassName"`, loaded once when a worker starts."""
-    strict_extra_args: bool = True
-    """Reject `extra_args` keys no loaded processor declares (only while every one declares its keys)."""
-    block_size: PositiveInt = 16
-    """Tokens per paged-KV block."""
-    kv_cache_bytes: PositiveInt | None = None
-    """KV pool size; None = cuda: kv_cache_memory_fraction of free memory, cpu: max_num_seqs x max_model_len."""
-    kv_cache_memory_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
-    enable_prefix_caching: bool = True
 
-    @field_validator("device")
-    @classmethod
-    def _device_known(cls, value: str | None) -> str | None:
-        if value is not None and not _DEVICE.match(value):
-            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
-        return value
+def _engine_keys(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Unknown keys are an error (a typo fails instead of being ignored), as in every section."""
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in ENGINE_FIELDS]
+        if unknown:
+            raise ValidationError.from_exception_data("EngineConfig", [
+                InitErrorDetails(type="extra_forbidden", loc=(str(k),), input=value[k]) for k in unknown
+            ])
+    return handler(value)
 
-    @field_validator("logits_processors")
-    @classmethod
-    def _fqcn_syntax(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for fqcn in value:
-            if not _FQCN.match(fqcn):
-                raise ValueError(
-                    f"logits processor {fqcn!r} is not a fully-qualified class name "
-                    "of the form 'dotted.module.path:ClassName'"
-                )
-        return value
 
-    @model_validator(mode="after")
-    def _token_budget_fits_batch(self) -> EngineConfig:
-        # Every running sequence decodes one token per step, so a step must fit them all.
-        if self.max_num_batched_tokens < self.max_num_seqs:
+def _engine_rules(engine: WorkerEngineConfig) -> WorkerEngineConfig:
+    if engine.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {engine.dtype!r}")
+    if engine.device is not None and not _DEVICE.match(engine.device):
+        raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {engine.device!r}")
+    for fqcn in engine.logits_processors:
+        if not isinstance(fqcn, str) or not _FQCN.match(fqcn):
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs})"
+                f"logits processor {fqcn!r} is not a fully-qualified class name "
+                "of the form 'dotted.module.path:ClassName'"
             )
-        return self
+    # Every running sequence decodes one token per step, so a step must fit them all.
+    if engine.max_num_batched_tokens < engine.max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens ({engine.max_num_batched_tokens}) must be >= "
+            f"max_num_seqs ({engine.max_num_seqs})"
+        )
+    return engine
+
+
+EngineConfig = Annotated[WorkerEngineConfig, WrapValidator(_engine_keys), AfterValidator(_engine_rules)]
+"""`worker.config.EngineConfig` with the config file's rules; `device: auto` = the engine's own
+choice (cuda if available, else cpu) with the CPU explicitly allowed (cluster.worker)."""
 
 
 class AutoscalingConfig(_Frozen):
@@ -175,7 +181,7 @@ class ServerConfig(_Frozen):
 class LogitpoolConfig(_Frozen):
     """The whole deployment. Build it with `model_validate`, `from_yaml` or `with_overrides`."""
 
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineConfig = Field(default_factory=WorkerEngineConfig)
     workers: WorkerDeploymentConfig = Field(default_factory=WorkerDeploymentConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -276,16 +282,6 @@ class LogitpoolConfig(_Frozen):
         """
         merged = _deep_merge(self.model_dump(), _expand_dotted(overrides))
         return type(self).model_validate(merged)
-
-
-def worker_engine_config(cfg: LogitpoolConfig) -> worker.config.EngineConfig:
-    """The engine config a worker replica builds its engine from (processors by FQCN)."""
-    from worker.config import EngineConfig as WorkerEngineConfig
-
-    fields = cfg.engine.model_dump()
-    if fields["device"] == "auto":  # the engine's own default makes the same choice
-        fields["device"] = None
-    return WorkerEngineConfig(**fields)
 
 
 def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,11 +7,13 @@ an integer stays an integer end to end.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from client import extra_args_from_pb
 from client._convert import structured_outputs_from_pb
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
+from worker.logits_processor.registry import ProcessorInfo
 from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from worker.sampling_params import SamplingParams
 
@@ -100,16 +102,14 @@ def delta_pb(request_id: str, delta: RequestOutput, decode: Any, usage: RequestO
     return msg
 
 
-def processors_pb(described: list[dict[str, Any]]) -> pb.ListProcessorsResponse:
-    import json
-
+def processors_pb(described: list[ProcessorInfo]) -> pb.ListProcessorsResponse:
     infos = []
     for d in described:
         info = pb.ProcessorInfo(
-            name=d["name"], fqcn=d["fqcn"], argmax_invariant=d["argmax_invariant"],
-            extra_args_keys=d["extra_args_keys"] or [],  # None (undeclared) travels as []
+            name=d.name, fqcn=d.fqcn, argmax_invariant=d.argmax_invariant,
+            extra_args_keys=d.extra_args_keys or (),  # None (undeclared) travels as []
         )
-        if d.get("extra_args_schema") is not None:
-            info.extra_args_schema_json = json.dumps(d["extra_args_schema"])
+        if d.extra_args_schema is not None:
+            info.extra_args_schema_json = json.dumps(d.extra_args_schema)
         infos.append(info)
     return pb.ListProcessorsResponse(processors=infos)

@@ -1,83 +1,57 @@
-"""The HTTP side of the ingress as a plain FastAPI app: strict JSON out, OpenAI-shaped errors for
-everything (the framework's own 404/405/422 included) and an OpenAPI document that declares the
-request bodies (the routes read raw bytes so the limits apply before parsing)."""
+"""The HTTP routes of the ingress as a plain FastAPI app built around an `HttpAdapter`: strict
+JSON out, OpenAI-shaped errors for everything (the framework's own 404/405/422 included) and an
+OpenAPI document that declares the request bodies (the routes read raw bytes so the limits apply
+before parsing)."""
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.errors import Status, classify, error_body
+from cluster.errors import Status, classify
+from cluster.http_adapter import HttpAdapter
+from cluster.http_wire import status_response
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
 
-api = FastAPI(title="logitpool", description="OpenAI-compatible completions over a logitpool worker pool")
-
-# Stands in for -inf / +inf if one ever reaches the wire (the engine floors logprobs the same way).
-_FLOOR = 9999.0
+TITLE = "logitpool"
+DESCRIPTION = "OpenAI-compatible completions over a logitpool worker pool"
 
 
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else math.copysign(_FLOOR, obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+def build_api(http: HttpAdapter) -> FastAPI:
+    """The FastAPI app serving `http` (Serve calls this on each ingress replica)."""
+    api = FastAPI(title=TITLE, description=DESCRIPTION)
+    api.post("/v1/completions")(http.completions)
+    api.post("/v1/chat/completions")(http.chat_completions)
+    api.get("/v1/models")(http.models)
+    api.get("/v1/processors")(http.list_processors)
+    api.get("/health")(http.health)
+    api.get("/metrics")(http.prometheus)
 
+    # Errors raised by the framework itself (unknown path, wrong method, ...) get the same JSON shape.
+    @api.exception_handler(StarletteHTTPException)
+    async def _framework_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return status_response(Status(exc.status_code, grpc.StatusCode.UNKNOWN, message, kind),
+                               headers=getattr(exc, "headers", None))
 
-def dumps(obj: Any) -> str:
-    """Strict JSON: never NaN/Infinity (those are not JSON); a non-finite float is mapped first."""
-    try:
-        return json.dumps(obj, allow_nan=False, separators=(",", ":"))
-    except ValueError:
-        return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":"))
+    @api.exception_handler(RequestValidationError)
+    async def _request_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return status_response(classify(ValueError(str(exc.errors()[:3]))))
 
+    @api.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception) -> Response:
+        return status_response(classify(exc))
 
-class StrictJSONResponse(JSONResponse):
-    def render(self, content: Any) -> bytes:
-        return dumps(content).encode("utf-8")
-
-
-def sse(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
-
-
-def status_response(status: Status, headers: dict[str, str] | None = None) -> JSONResponse:
-    return StrictJSONResponse(error_body(status), status_code=status.http, headers=headers)
-
-
-# Errors raised by the framework itself (unknown path, wrong method, ...) get the same JSON shape.
-@api.exception_handler(StarletteHTTPException)
-async def _framework_error(request: Request, exc: StarletteHTTPException) -> Response:
-    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-    message = f"{request.method} {request.url.path}: {exc.detail}"
-    return status_response(Status(exc.status_code, grpc.StatusCode.UNKNOWN, message, kind),
-                            headers=getattr(exc, "headers", None))
-
-
-@api.exception_handler(RequestValidationError)
-async def _request_validation_error(request: Request, exc: RequestValidationError) -> Response:
-    return status_response(classify(ValueError(str(exc.errors()[:3]))))
-
-
-@api.exception_handler(Exception)
-async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    return status_response(classify(exc))
-
-
-def is_json(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or media.endswith("+json")
+    api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]
+    return api
 
 
 _ERROR_SCHEMA: dict[str, Any] = {
@@ -96,7 +70,7 @@ _ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
-def _openapi() -> dict[str, Any]:
+def _openapi(api: FastAPI) -> dict[str, Any]:
     """FastAPI's document plus the request bodies (the routes read raw bytes, see _parse)."""
     if api.openapi_schema:
         return api.openapi_schema
@@ -130,5 +104,3 @@ def _openapi() -> dict[str, Any]:
     api.openapi_schema = schema
     return schema
 
-
-api.openapi = _openapi  # type: ignore[method-assign]

@@ -2,7 +2,14 @@
 
 One model, one persistent batch, one processor registry, one sampler per replica; the engine
 loop runs in the background and every request streams its per-step deltas back to the ingress.
-Processors arrive as FQCN strings inside the engine config, at start-up only.
+Processors arrive as FQCN strings inside the engine config, at start-up only. The engine is
+built by an `engine_factory` (`AsyncEngine` in production), so the deployment and the front end
+can be tested against a fake engine in Serve's local testing mode.
+
+The worker trusts the ingress: prompts arrive as token ids that the front end tokenized, and
+params it validated (cluster.frontend). The engine still runs its own checks on every request
+(`Engine.prepare`): they are cheap for token ids (a range check) and keep a replica safe from a
+caller that reaches the deployment by another route (another Serve application's handle).
 """
 
 from __future__ import annotations
@@ -13,8 +20,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from ray import serve
 
@@ -40,13 +47,40 @@ EXIT_DELAY_S = 0.5
 logger = logging.getLogger(__name__)
 
 
+class ServedEngine(Protocol):
+    """What a worker replica needs of its engine (AsyncEngine's surface, or a test's fake)."""
+
+    dead: BaseException | None
+    engine: Any
+    """The synchronous core: `runner.kv_cache_bytes` and `processors.describe()` are read."""
+
+    def generate(
+        self, request_id: str, prompt: list[int] | str, params: SamplingParams, *, delta: bool = False
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    def stats(self) -> Any: ...
+
+    def healthy(self) -> bool: ...
+
+
+EngineFactory = Callable[[EngineConfig], ServedEngine]
+
+
 class LogitpoolWorker:
-    def __init__(self, engine: dict[str, Any], stream_interval_s: float = 0.0, allow_cpu: bool = True) -> None:
+    def __init__(
+        self, engine: dict[str, Any], stream_interval_s: float = 0.0, engine_factory: EngineFactory = AsyncEngine
+    ) -> None:
         bind_replica_grpc_to_node_ip()
-        self.config = EngineConfig(**engine)
+        config = EngineConfig(**engine)
+        # `device: auto` is the engine's own choice (device None) with the CPU explicitly allowed.
+        allow_cpu = config.device == "auto"
+        self.config = dataclasses.replace(config, device=None) if allow_cpu else config
         check_gpu(allow_cpu, self.config.device)
         self.stream_interval_s = stream_interval_s
-        self.engine = AsyncEngine(self.config)
+        self.engine: ServedEngine = engine_factory(self.config)
         self._seen: collections.deque[str] = collections.deque(maxlen=_SEEN_IDS)
         self._num_requests = 0
         self._publisher: asyncio.Task[None] | None = None
@@ -93,7 +127,7 @@ class LogitpoolWorker:
             "num_requests": self._num_requests,
             "num_running": self.engine.num_running,
             "kv_cache_bytes": self.engine.engine.runner.kv_cache_bytes,
-            "processors": [p["fqcn"] for p in self.engine.engine.processors.describe()],
+            "processors": [p.fqcn for p in self.engine.engine.processors.describe()],
         }
 
     def stats(self) -> dict[str, Any]:
@@ -133,10 +167,11 @@ class LogitpoolWorker:
         if os.environ.get(DEBUG_ENV) != "1":
             raise PermissionError("debug hooks are disabled")
         exc = RuntimeError("killed by debug_kill_engine")
-        self.engine.dead = exc
-        self.engine._stopping = True  # the loop thread exits at its next turn
-        self.engine._work.set()
-        self.engine._fail_all(exc)
+        engine: Any = self.engine  # AsyncEngine's internals
+        engine.dead = exc
+        engine._stopping = True  # the loop thread exits at its next turn
+        engine._work.set()
+        engine._fail_all(exc)
         return time.time()
 
 

@@ -47,7 +47,7 @@ def test_bad_flags_fail_with_the_field_named():
 
 
 def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monkeypatch):
-    from cluster.cli import local_cluster_env
+    from cluster.launch import local_cluster_env
 
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     cfg = build_config(parse())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
+from worker.config import EngineConfig
+
 from cluster.config import (
     AutoscalingConfig,
-    EngineConfig,
     LogitpoolConfig,
     ServerConfig,
     WorkerDeploymentConfig,
-    worker_engine_config,
 )
 from cluster.serve_config import (
     APP_IMPORT_PATH,
@@ -110,7 +111,7 @@ def test_bad_values_fail_naming_the_field(data: dict[str, Any], fragment: str) -
 
 def test_config_is_frozen() -> None:
     cfg = LogitpoolConfig()
-    with pytest.raises(ValueError):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.engine.max_num_seqs = 1  # type: ignore[misc]
     with pytest.raises(ValueError):
         cfg.app_name = "other"  # type: ignore[misc]
@@ -146,15 +147,19 @@ def test_resolve_api_keys_reads_the_named_env_var() -> None:
     assert LogitpoolConfig().resolve_api_keys({}) == ()
 
 
-def test_worker_engine_config_carries_every_engine_field() -> None:
-    cfg = LogitpoolConfig.model_validate(
-        {"engine": {"model": "/m", "dtype": "float32", "device": "cpu", "max_num_seqs": 8,
-                    "max_num_batched_tokens": 512, "max_model_len": 256, "max_logprobs": 5,
-                    "seed": 11, "logits_processors": ["pkg.mod:Proc"]}}
-    )
-    engine = worker_engine_config(cfg)
-    for name, value in cfg.engine.model_dump().items():
-        assert getattr(engine, name) == value, name
+def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
+    """One engine config type: every worker field is settable from the config file, as given."""
+    fields = {"model": "/m", "dtype": "float32", "device": "cpu", "max_num_seqs": 8,
+              "max_num_batched_tokens": 512, "max_model_len": 256, "max_logprobs": 5, "seed": 11,
+              "logits_processors": ["pkg.mod:Proc"], "load_entry_points": False, "reorder_batch": False,
+              "strict_extra_args": False, "block_size": 8, "kv_cache_bytes": 4096,
+              "kv_cache_memory_fraction": 0.5, "enable_prefix_caching": False}
+    assert set(fields) == {f.name for f in dataclasses.fields(EngineConfig)}
+    cfg = LogitpoolConfig.model_validate({"engine": fields})
+    assert type(cfg.engine) is EngineConfig
+    assert cfg.engine == EngineConfig(**{**fields, "logits_processors": ("pkg.mod:Proc",)})
+    (tmp_path / "c.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+    assert LogitpoolConfig.from_yaml(tmp_path / "c.yaml") == cfg
 
 
 # ---- YAML round trip ---------------------------------------------------------------------------

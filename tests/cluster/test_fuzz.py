@@ -112,7 +112,7 @@ def fuzz_target(serve_ports, tiny_model_dir):
     """A deployment with only the built-in processors: any server error is then a bug."""
     from ray import serve
 
-    from cluster.cli import deploy, wait_ready
+    from cluster.launch import deploy, wait_ready
 
     cfg = LogitpoolConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "max_num_seqs": 16, "max_model_len": 64},

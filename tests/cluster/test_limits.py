@@ -167,7 +167,7 @@ def test_error_body_is_openai_shaped():
 
 
 def test_responses_never_carry_nan_or_infinity():
-    from cluster.http_app import dumps
+    from cluster.http_wire import dumps
 
     text = dumps({"logprob": -math.inf, "top": [math.nan, math.inf, 1.5], "ok": 2})
     assert json.loads(text) == {"logprob": -9999.0, "top": [None, 9999.0, 1.5], "ok": 2}

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from cluster.cli import _healthy, deploy, main
+from cluster.cli import main
+from cluster.launch import deploy, healthy
 from cluster.cli_errors import CliError
 from cluster.config import LogitpoolConfig
 
@@ -50,7 +51,7 @@ def test_placement_pending_status_and_scale(serve_ports, tiny_model_dir, tmp_pat
 
     # Three replicas of one GPU each on two GPUs: two run (one per GPU), the third is pending.
     cfg = config(str(tiny_model_dir), serve_ports, 3, device="auto")
-    cfg = deploy(cfg, timeout_s=180, serving=lambda: _healthy("127.0.0.1", serve_ports[0]))
+    cfg = deploy(cfg, timeout_s=180, serving=lambda: healthy("127.0.0.1", serve_ports[0]))
     assert "not every replica has started" in capsys.readouterr().err
     path = tmp_path / "session.json"
     session.write(path, ray.get_runtime_context().gcs_address, cfg.model_dump(mode="json", exclude={"api_keys"}))

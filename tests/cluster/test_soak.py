@@ -21,7 +21,7 @@ APP = "soak"
 def soak_target(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.cli import deploy, wait_ready
+    from cluster.launch import deploy, wait_ready
 
     cfg = deploy(soak_config(str(tiny_model_dir), *serve_ports, app=APP, max_num_seqs=16))
     wait_ready("127.0.0.1", cfg.server.http_port, timeout_s=180)

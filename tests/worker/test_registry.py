@@ -24,6 +24,7 @@ from worker.logits_processor.penalties import PenaltiesLogitsProcessor
 from worker.logits_processor.structured import StructuredOutputsLogitsProcessor
 from worker.logits_processor.registry import (
     ENTRY_POINT_GROUP,
+    ProcessorInfo,
     build_logits_processors,
     entry_point_classes,
     fqcn_of,
@@ -244,7 +245,9 @@ def test_validate_params_lets_a_value_error_through_unchanged() -> None:
 
 
 def test_describe_lists_every_processor_with_its_extra_args() -> None:
-    rows = _build((DUMMY, RaisingLogitsProcessor)).describe()
+    typed = _build((DUMMY, RaisingLogitsProcessor)).describe()
+    assert all(isinstance(r, ProcessorInfo) for r in typed)
+    rows = [r.as_json() for r in typed]
     assert [r["name"] for r in rows] == [
         *[c.__name__ for c in BUILTINS],
         "DummyLogitsProcessor",

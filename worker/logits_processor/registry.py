@@ -19,9 +19,11 @@ is loaded; the config's ``strict_extra_args = False`` turns it off always.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib.metadata import entry_points as _installed_entry_points
 from typing import Any
 
@@ -176,25 +178,37 @@ class LogitsProcessors:
         for p in self.every():
             type(p).validate_params(params)
 
-    def describe(self) -> list[dict[str, Any]]:
-        """Name, FQCN, argmax invariance, declared ``extra_args`` keys and JSON schema of each processor.
-
-        ``extra_args_keys`` is None for a processor that declares nothing (it may read any key).
-        """
+    def describe(self) -> list[ProcessorInfo]:
+        """Name, FQCN, argmax invariance, declared ``extra_args`` keys and JSON schema of each processor."""
         out = []
         for p, invariant in zip(self.every(), self._invariant):
             cls = type(p)
             keys = _keys_of(cls)
-            out.append(
-                {
-                    "name": cls.__name__,
-                    "fqcn": fqcn_of(cls),
-                    "argmax_invariant": invariant,
-                    "extra_args_keys": None if keys is None else sorted(keys),
-                    "extra_args_schema": json_schema(cls),
-                }
-            )
+            out.append(ProcessorInfo(
+                name=cls.__name__,
+                fqcn=fqcn_of(cls),
+                argmax_invariant=invariant,
+                extra_args_keys=None if keys is None else tuple(sorted(keys)),
+                extra_args_schema=json_schema(cls),
+            ))
         return out
+
+
+@dataclass(frozen=True)
+class ProcessorInfo:
+    """One loaded processor as `describe()` publishes it (HTTP /v1/processors, gRPC ListProcessors)."""
+
+    name: str
+    fqcn: str
+    argmax_invariant: bool
+    extra_args_keys: tuple[str, ...] | None
+    """Sorted declared keys; None for a processor that declares nothing (it may read any key)."""
+    extra_args_schema: dict[str, Any] | None
+
+    def as_json(self) -> dict[str, Any]:
+        """JSON types (keys as a list)."""
+        keys = None if self.extra_args_keys is None else list(self.extra_args_keys)
+        return {**dataclasses.asdict(self), "extra_args_keys": keys}
 
 
 def build_logits_processors(

@@ -123,7 +123,9 @@ applications:
         max_logprobs: {{ $v.engine.maxLogprobs | toJson }}
         seed: {{ $v.engine.seed | toJson }}
         logits_processors: {{ $v.logitsProcessors | toJson }}
+        load_entry_points: {{ $v.engine.loadEntryPoints | toJson }}
         strict_extra_args: {{ $v.engine.strictExtraArgs | toJson }}
+        reorder_batch: {{ $v.engine.reorderBatch | toJson }}
         block_size: {{ $v.engine.blockSize | toJson }}
         kv_cache_bytes: {{ $v.engine.kvCacheBytes | toJson }}
         kv_cache_memory_fraction: {{ $v.engine.kvCacheMemoryFraction | toJson }}

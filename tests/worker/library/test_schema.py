@@ -111,7 +111,7 @@ def test_every_declaration_form_claims_its_keys() -> None:
 
 
 def test_describe_publishes_keys_schema_and_invariance() -> None:
-    rows = {r["name"]: r for r in _build(DummyLogitsProcessor, RaisingLogitsProcessor).describe()}
+    rows = {r.name: r.as_json() for r in _build(DummyLogitsProcessor, RaisingLogitsProcessor).describe()}
     assert rows["DummyLogitsProcessor"]["extra_args_keys"] is None
     assert rows["RaisingLogitsProcessor"]["extra_args_schema"] == RaisingLogitsProcessor.extra_args_schema
     assert rows["MinPLogitsProcessor"]["extra_args_keys"] == []
@@ -149,6 +149,6 @@ def test_the_default_registry_is_strict_every_built_in_reading_no_keys() -> None
     rejects a misspelt key instead of silently turning strict checking off."""
     procs = _build()
     assert procs.strict_extra_args
-    assert all(r["extra_args_keys"] is not None for r in procs.describe()), procs.describe()
+    assert all(r.extra_args_keys is not None for r in procs.describe()), procs.describe()
     with pytest.raises(ValueError, match="xtc_treshold"):
         procs.validate_params(_p(xtc_treshold=0.5))

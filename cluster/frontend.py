@@ -1,0 +1,170 @@
+"""The transport-free front end: validation, tokenization, dispatch, streaming and readiness.
+
+HTTP (cluster.http_adapter) and gRPC (cluster.grpc_service) are thin adapters that each hold
+one `Frontend`: they turn their wire format into `SamplingParams` + prompts and back, and
+everything in between happens here, once, for both. Every request is validated (limits, the
+standard rules and every loaded processor's ``validate_params``) and tokenized here; a bad
+request never reaches a worker, and the worker receives token ids (see cluster.worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from cluster import limits as request_limits
+from cluster import pool_stats
+from cluster.auth import ApiKeys
+from cluster.config import LogitpoolConfig
+from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
+from cluster.metrics import Metrics
+from cluster.openai_protocol import ChatMessage, fit_to_context, render_chat
+from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
+from worker.models import model_limits
+from worker.outputs import OutputAccumulator, RequestOutput
+from worker.sampling_params import SamplingParams
+from worker.validation import RequestValidator
+
+logger = logging.getLogger(__name__)
+
+# Upper bound on one request end to end; nothing waits forever.
+REQUEST_TIMEOUT_S = 600.0
+# Retries of a request whose worker replica was unavailable before it produced anything; the
+# backoff adds up to a few seconds, past the time a dead replica takes to leave the routers.
+REPLICA_RETRIES = 5
+REPLICA_RETRY_BACKOFF_S = 0.2
+
+# Every worker replica's engine stats (cluster.pool_stats snapshots); [] when none is known.
+PoolReader = Callable[[], Awaitable[list[dict[str, Any]]]]
+
+
+class Frontend:
+    """One per ingress replica; `worker` is the worker deployment's handle (a DeploymentHandle,
+    real or from Serve's local testing mode), `pool` reads the worker replicas' stats."""
+
+    def __init__(self, cfg: LogitpoolConfig, worker: Any, pool: PoolReader) -> None:
+        engine = cfg.engine
+        if engine.model is None:
+            raise ValueError("engine.model: the front end needs a resolved model (cluster.app.resolve_model)")
+        self.cfg = cfg
+        self.model_name = cfg.served_name
+        self.tokenizer = AutoTokenizer.from_pretrained(engine.model)
+        vocab_size, self.max_model_len = model_limits(engine.model, engine.max_model_len)
+        self.processors: LogitsProcessors = build_logits_processors(
+            engine, torch.device("cpu"), False, custom=engine.logits_processors, entry_points=engine.load_entry_points
+        )
+        self.validator = RequestValidator(self.tokenizer, vocab_size, self.max_model_len, engine.max_logprobs,
+                                          self.processors)
+        self.api_keys = ApiKeys(cfg.resolve_api_keys(os.environ))
+        self.limits = cfg.limits
+        self.metrics = Metrics()
+        self.timeout_s = REQUEST_TIMEOUT_S
+        self._worker = worker
+        self._pool = pool
+        self._backend = self.tokenizer.backend_tokenizer
+
+    # -- requests in -----------------------------------------------------------------------
+
+    def authorize(self, authorization: str | None) -> None:
+        """Raise Unauthenticated unless the credentials are accepted (or auth is off)."""
+        self.api_keys.check(authorization)
+
+    def check_model(self, model: object) -> None:
+        """A request may omit `model`; naming another one is a 404 (vLLM's answer)."""
+        if isinstance(model, str) and model != self.model_name:
+            raise ModelNotFound(model)
+
+    def check_request(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Limits, then validate and tokenize; raises ValueError naming the field (both protocols)."""
+        request_limits.check_request(self.limits, params, len(prompts))
+        self.validator.validate(params)
+        return [self.validator.tokenize(p) for p in prompts]
+
+    async def prepare(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
+        """check_request, in a thread when a grammar may need compiling (time-bounded, not instant)."""
+        if params.structured_outputs is None:
+            return self.check_request(params, prompts)
+        return await asyncio.to_thread(self.check_request, params, prompts)
+
+    async def prepare_chat(self, params: SamplingParams, messages: list[ChatMessage]) -> list[int]:
+        """The chat template rendered and checked like a prompt; max_tokens fitted to the context."""
+        (ids,) = await self.prepare(params, [render_chat(self.tokenizer, messages)])
+        fit_to_context(params, len(ids), self.max_model_len)
+        return ids
+
+    # -- dispatch and streaming ------------------------------------------------------------
+
+    def decode_token(self, tok: int) -> str:
+        """One token's text, special tokens kept (logprobs' `token` fields, both protocols)."""
+        return self._backend.decode([tok], skip_special_tokens=False)
+
+    async def stream_deltas(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Delta outputs from a worker; each wait bounded by the request timeout.
+
+        A replica that is gone or whose engine died before sending anything is not the
+        request's fault: the call is retried (REPLICA_RETRIES times) on whichever replica
+        Serve's router picks, since Serve takes a few health checks to stop routing to it.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        for attempt in range(REPLICA_RETRIES + 1):
+            gen = self._worker.options(method_name="generate", stream=True).remote(request_id, ids, params)
+            it = gen.__aiter__()
+            started = False
+            try:
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(request_id)
+                    try:
+                        delta = await asyncio.wait_for(it.__anext__(), remaining)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        if started or attempt == REPLICA_RETRIES or not replica_unavailable(exc):
+                            raise
+                        logger.warning("request %s: worker replica unavailable (%r), retrying", request_id, exc)
+                        break
+                    started = True
+                    for c in delta.outputs:
+                        if c.finish_reason == "error":
+                            raise RequestFailed(c.error or "request failed")
+                    yield delta
+            finally:
+                gen.cancel()
+            await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * (attempt + 1))
+
+    async def run(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestOutput:
+        """The whole output of one request (its deltas accumulated), prompt ids included."""
+        acc = OutputAccumulator()
+        out: RequestOutput | None = None
+        async for delta in self.stream_deltas(request_id, ids, params):
+            out = acc.add(delta)
+        if out is None or not out.finished:
+            raise RequestFailed("worker stream ended before the request finished")
+        out.prompt_token_ids = ids  # deltas arrive without the prompt
+        return out
+
+    # -- accounting and readiness ----------------------------------------------------------
+
+    def count_ok(self, protocol: str, outs: list[RequestOutput] | tuple[RequestOutput, ...] = (), tokens: int = 0) -> None:
+        self.metrics.request(protocol, 200 if protocol == "http" else "OK", outs, tokens=tokens)
+
+    def count_error(self, status: Status, protocol: str) -> None:
+        self.metrics.request(protocol, status.http if protocol == "http" else status.grpc.name)
+        if 400 <= status.http < 500:
+            self.metrics.reject(protocol, status.http)
+
+    async def pool(self) -> list[dict[str, Any]]:
+        """Fresh engine stats of every worker replica."""
+        return await self._pool()
+
+    async def workers_ready(self) -> bool:
+        """True while at least one worker replica's engine loop is alive and stepping."""
+        return pool_stats.any_alive(await self.pool())

@@ -1,0 +1,237 @@
+"""The OpenAI-compatible HTTP side of the front end: bytes in, JSON / server-sent events out.
+
+Holds a `Frontend` and does only what is HTTP's: reading the body within the limits, parsing
+it into the protocol's models, and rendering responses, stream chunks and errors (whose JSON is
+built in one place, cluster.http_app.status_response / error_body). Routes: cluster.http_app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cluster import limits as request_limits
+from cluster.errors import classify, error_body
+from cluster.frontend import Frontend
+from cluster.http_wire import StrictJSONResponse, is_json, sse, status_response
+from cluster.limits import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    new_id,
+    now,
+    usage,
+    usage_chunk,
+)
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+DONE = "data: [DONE]\n\n"
+
+
+class HttpAdapter:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    def error(self, exc: BaseException) -> JSONResponse:
+        status = classify(exc)
+        self.frontend.count_error(status, "http")
+        return status_response(status)
+
+    def _error_event(self, exc: BaseException) -> list[str]:
+        """A stream that fails mid-way: an error event, then still `[DONE]`."""
+        status = classify(exc)
+        self.frontend.count_error(status, "http")
+        return [sse(error_body(status)), DONE]
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, bounded in size (limits.max_body_bytes) and in time (limits.read_timeout_s)."""
+        limits = self.frontend.limits
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not is_json(content_type):
+            raise UnsupportedMediaType(f"content-type: {content_type[:64]!r} is not supported, send application/json")
+        limit = limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"body: {declared} bytes exceeds limits.max_body_bytes ({limit})")
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"body: more than limits.max_body_bytes ({limit}) bytes")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), limits.read_timeout_s)
+        except TimeoutError:
+            raise RequestTimeout(f"body: not received within limits.read_timeout_s ({limits.read_timeout_s}s)") from None
+        return b"".join(chunks)
+
+    async def _parse(self, request: Request, model: type[Body]) -> Body:
+        self.frontend.authorize(request.headers.get("authorization"))
+        body = request_limits.parse_json(self.frontend.limits, await self._read_body(request))
+        if isinstance(body, dict):
+            self.frontend.check_model(body.get("model"))
+        return model.model_validate(body)
+
+    def denied(self, request: Request) -> Response | None:
+        """The 401 response when the API key is missing or wrong, else None."""
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+        except Exception as exc:
+            return self.error(exc)
+        return None
+
+    # -- /v1/completions -------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        fe = self.frontend
+        try:
+            body = await self._parse(request, CompletionRequest)
+            params = body.sampling_params()
+            prompts = await fe.prepare(params, body.prompts())
+        except Exception as exc:
+            return self.error(exc)
+        rid = new_id("cmpl")
+        if body.stream:
+            return StreamingResponse(self._stream_completions(rid, prompts, params, body), media_type="text/event-stream")
+        try:
+            outs = await asyncio.gather(*(fe.run(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)))
+        except Exception as exc:
+            return self.error(exc)
+        fe.count_ok("http", outs)
+        return StrictJSONResponse(completion_response(rid, fe.model_name, list(outs), fe.decode_token,
+                                                      body.return_token_ids, body.include_stop_str_in_output))
+
+    async def _stream_completions(
+        self, rid: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest
+    ) -> AsyncIterator[str]:
+        fe = self.frontend
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for delta in fe.stream_deltas(f"{rid}-{i}", ids, params):
+                    await queue.put((i, delta))
+                await queue.put((i, None))
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the client stream
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        done, n_tokens, created = 0, 0, now()
+        sent: dict[int, int] = {}  # characters sent per choice index: the next text_offset
+        try:
+            while done < len(tasks):
+                i, item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, BaseException):
+                    for event in self._error_event(item):
+                        yield event
+                    return
+                for c in item.outputs:
+                    n_tokens += len(c.token_ids)
+                    index = i * params.n + c.index
+                    chunk = completion_chunk(rid, fe.model_name, c, fe.decode_token, i * params.n, body.return_token_ids,
+                                             created=created, text_offset=sent.get(index, 0),
+                                             include_stop=body.include_stop_str_in_output)
+                    sent[index] = sent.get(index, 0) + len(chunk["choices"][0]["text"])
+                    yield sse(chunk)
+            if body.include_usage:
+                yield sse(usage_chunk(rid, fe.model_name, "text_completion", usage(sum(map(len, prompts)), n_tokens),
+                                      created=created))
+            fe.count_ok("http", tokens=n_tokens)
+            yield DONE
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- /v1/chat/completions --------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        fe = self.frontend
+        try:
+            body = await self._parse(request, ChatCompletionRequest)
+            params = body.sampling_params()
+            ids = await fe.prepare_chat(params, body.messages)
+        except Exception as exc:
+            return self.error(exc)
+        rid = new_id("chatcmpl")
+        top_n = body.top_logprobs or 0
+        if body.stream:
+            return StreamingResponse(self._stream_chat(rid, ids, params, top_n, body), media_type="text/event-stream")
+        try:
+            out = await fe.run(rid, ids, params)
+        except Exception as exc:
+            return self.error(exc)
+        fe.count_ok("http", [out])
+        return StrictJSONResponse(chat_response(rid, fe.model_name, out, fe.decode_token, top_n, body.return_token_ids,
+                                                body.forced_tool, body.include_stop_str_in_output))
+
+    async def _stream_chat(
+        self, rid: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest
+    ) -> AsyncIterator[str]:
+        fe = self.frontend
+        first: set[int] = set()
+        n_tokens, created = 0, now()
+        try:
+            async for delta in fe.stream_deltas(rid, ids, params):
+                for c in delta.outputs:
+                    n_tokens += len(c.token_ids)
+                    yield sse(chat_chunk(rid, fe.model_name, c, fe.decode_token, top_n, c.index not in first,
+                                         body.return_token_ids, created=created,
+                                         include_stop=body.include_stop_str_in_output))
+                    first.add(c.index)
+        except Exception as exc:
+            for event in self._error_event(exc):
+                yield event
+            return
+        if body.include_usage:
+            yield sse(usage_chunk(rid, fe.model_name, "chat.completion.chunk", usage(len(ids), n_tokens),
+                                  created=created))
+        fe.count_ok("http", tokens=n_tokens)
+        yield DONE
+
+    # -- the rest --------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        if denied := self.denied(request):
+            return denied
+        fe = self.frontend
+        return JSONResponse({"object": "list", "data": [
+            {"id": fe.model_name, "object": "model", "created": 0, "owned_by": "logitpool", "root": fe.model_name,
+             "parent": None, "max_model_len": fe.max_model_len}
+        ]})
+
+    async def list_processors(self, request: Request) -> Response:
+        if denied := self.denied(request):
+            return denied
+        procs = self.frontend.processors
+        return JSONResponse({"object": "list", "data": [p.as_json() for p in procs.describe()],
+                             "strict_extra_args": procs.strict_extra_args})
+
+    async def health(self) -> Response:
+        """200 only while some worker replica's engine loop is alive and stepping (its heartbeat)."""
+        pool = await self.frontend.pool()
+        alive = sum(1 for s in pool if s.get("alive"))
+        if alive:
+            return JSONResponse({"status": "ok", "workers_alive": alive, "workers": len(pool)})
+        return JSONResponse({"status": "unavailable", "workers_alive": 0, "workers": len(pool)}, status_code=503)
+
+    async def prometheus(self) -> Response:
+        body, content_type = self.frontend.metrics.render(await self.frontend.pool())
+        return Response(body, media_type=content_type)
