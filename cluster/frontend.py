@@ -127,6 +127,8 @@ class Frontend:
                     except StopAsyncIteration:
                         return
                     except Exception as exc:
+                        if time.monotonic() >= deadline:  # the cancelled call may raise its own error
+                            raise TimeoutError(request_id) from exc
                         if started or attempt == REPLICA_RETRIES or not replica_unavailable(exc):
                             raise
                         logger.warning("request %s: worker replica unavailable (%r), retrying", request_id, exc)

@@ -28,7 +28,9 @@ def check_gpu(allow_cpu: bool, device: str | None) -> None:
     import ray
     import torch
 
-    problem = gpu_problem(ray.get_gpu_ids(), device, torch.cuda.is_available(), allow_cpu,
+    # Outside a Ray worker (Serve's local testing mode) nothing assigned GPUs; asking would start Ray.
+    gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    problem = gpu_problem(gpu_ids, device, torch.cuda.is_available(), allow_cpu,
                           os.environ.get("CUDA_VISIBLE_DEVICES"))
     if problem is not None:
         raise RuntimeError(problem)

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.grpc_util import RayServegRPCContext
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
@@ -26,12 +27,21 @@ from cluster.http_app import build_api
 from cluster.replica_bind import bind_replica_grpc_to_node_ip
 
 
+def _app_name(cfg: LogitpoolConfig) -> str:
+    """The Serve application this replica runs in (the workers publish their stats under it);
+    outside Serve's replicas (its local testing mode) the configured one."""
+    try:
+        return serve.get_replica_context().app_name
+    except RayServeException:
+        return cfg.app_name
+
+
 class LogitpoolIngress:
     def __init__(self, worker: Any, config: dict[str, Any]) -> None:
         bind_replica_grpc_to_node_ip()
-        app_name = serve.get_replica_context().app_name
-        self.frontend = Frontend(LogitpoolConfig.model_validate(config), worker,
-                                 pool=lambda: pool_stats.collect(app_name))
+        cfg = LogitpoolConfig.model_validate(config)
+        app_name = _app_name(cfg)
+        self.frontend = Frontend(cfg, worker, pool=lambda: pool_stats.collect(app_name))
         self.http = HttpAdapter(self.frontend)
         self.grpc = GrpcAdapter(self.frontend)
 
