@@ -6,10 +6,13 @@ Processors arrive as FQCN strings inside the engine config, at start-up only. Th
 built by an `engine_factory` (`AsyncEngine` in production), so the deployment and the front end
 can be tested against a fake engine in Serve's local testing mode.
 
-The worker trusts the ingress: prompts arrive as token ids that the front end tokenized, and
-params it validated (cluster.frontend). The engine still runs its own checks on every request
-(`Engine.prepare`): they are cheap for token ids (a range check) and keep a replica safe from a
-caller that reaches the deployment by another route (another Serve application's handle).
+Validation and tokenization happen once, in the front end (cluster.frontend): prompts arrive
+here as token ids and params already validated, and a bad request is answered there. The engine
+still runs its own checks when it admits a request (`LLMEngine.prepare`: params against the
+model and the processors, a range check of the ids, the KV pool's capacity): about 20 us a
+request on this box, against hundreds of ms of engine time, and what keeps a replica safe from a
+caller that reaches the deployment by another route (any handle in the Ray cluster). A "trusted"
+flag to skip them would be settable by that same caller, so there is none.
 """
 
 from __future__ import annotations
