@@ -59,6 +59,10 @@ def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monke
     assert first["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "cluster.slow_clients:install"
     assert float(first["LOGITPOOL_HTTP_READ_TIMEOUT_S"]) == cfg.limits.read_timeout_s
     assert int(first["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == 64 << 20
+    assert first["RAY_worker_niceness"] == "0"  # serving processes at normal priority
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    assert local_cluster_env(cfg, tmp_path)["RAY_worker_niceness"] == "5"  # the caller's choice wins
+    monkeypatch.delenv("RAY_worker_niceness")
     wide = local_cluster_env(build_config(parse("--host", "0.0.0.0")), tmp_path)
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in wide and wide["RAY_AUTH_MODE"] == "token"
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # honoured (the test suite's own clusters), warned about
