@@ -8,6 +8,7 @@ worker. Valid ones stream from a worker replica chosen by Serve's router.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -32,10 +33,13 @@ from cluster.metrics import Metrics
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    Echo,
+    after_echo,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
+    echoed,
     fit_to_context,
     new_id,
     now,
@@ -197,24 +201,32 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         try:
             body: CompletionRequest = await self._parse(request, CompletionRequest)
             params = body.sampling_params()
-            prompts = await self.check_request_async(params, body.prompts())
+            raw = body.prompts()
+            prompts = await self.check_request_async(params, raw)
         except Exception as exc:
             return self._error(exc)
         rid = new_id("cmpl")
         model = self.model_name
         if body.stream:
-            return StreamingResponse(self._stream_completions(rid, model, prompts, params, body),
+            return StreamingResponse(self._stream_completions(rid, model, prompts, params, body, raw),
                                      media_type="text/event-stream")
         try:
             outs = await asyncio.gather(*(self.run(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)))
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, outs)
+        echoes = [self._echo(r, out, body) for r, out in zip(raw, outs)] if body.echo else None
         return StrictJSONResponse(completion_response(rid, model, list(outs), self.decode_token, body.return_token_ids,
-                                                      body.include_stop_str_in_output))
+                                                      body.include_stop_str_in_output, echoes))
+
+    def _echo(self, raw: str | list[int], out: RequestOutput, body: CompletionRequest) -> Echo:
+        """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded)."""
+        text = raw if isinstance(raw, str) else self.tokenizer.decode(raw)
+        return Echo(text, list(out.prompt_token_ids), out.prompt_logprobs, body.echo_only)
 
     async def _stream_completions(
-        self, rid: str, model: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest
+        self, rid: str, model: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest,
+        raw: list[str | list[int]],
     ) -> AsyncIterator[str]:
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -229,6 +241,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
         done, n_tokens, created = 0, 0, now()
         sent: dict[int, int] = {}  # characters sent per choice index: the next text_offset
+        echoes: dict[int, Echo] = {}  # per prompt, from its first delta (which carries the prompt logprobs)
         try:
             while done < len(tasks):
                 i, item = await queue.get()
@@ -241,9 +254,15 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                     yield sse(error_body(status))
                     yield "data: [DONE]\n\n"
                     return
+                if body.echo and i not in echoes:
+                    echoes[i] = self._echo(raw[i], dataclasses.replace(item, prompt_token_ids=prompts[i]), body)
                 for c in item.outputs:
-                    n_tokens += len(c.token_ids)
                     index = i * params.n + c.index
+                    n_tokens += 0 if body.echo_only else len(c.token_ids)
+                    if body.echo:  # the prompt comes first, in the choice's first chunk (as vLLM)
+                        c = after_echo(c, echoes[i]) if index in sent else echoed(c, echoes[i])
+                        if index in sent and not c.text and c.finish_reason is None:
+                            continue
                     chunk = completion_chunk(rid, model, c, self.decode_token, i * params.n, body.return_token_ids,
                                              created=created, text_offset=sent.get(index, 0),
                                              include_stop=body.include_stop_str_in_output)
