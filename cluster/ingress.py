@@ -266,7 +266,11 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                     chunk = completion_chunk(rid, model, c, self.decode_token, i * params.n, body.return_token_ids,
                                              created=created, text_offset=sent.get(index, 0),
                                              include_stop=body.include_stop_str_in_output)
-                    sent[index] = sent.get(index, 0) + len(chunk["choices"][0]["text"])
+                    lp = chunk["choices"][0]["logprobs"]
+                    # Offsets run over the tokens' texts, as in the whole response (an echoed
+                    # prompt's special tokens are in them, not in its text).
+                    sent[index] = (lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"]
+                                   else sent.get(index, 0) + len(chunk["choices"][0]["text"]))
                     yield sse(chunk)
             if body.include_usage:
                 yield sse(usage_chunk(rid, model, "text_completion", usage(sum(map(len, prompts)), n_tokens),
