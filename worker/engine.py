@@ -351,11 +351,14 @@ class LLMEngine:
         k = parent.children[0].params.prompt_logprobs or 0
         targets = parent.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
         ids, vals, ranks = prompt_logprobs_topk(logits, torch.tensor(targets, device=logits.device), k)
+        # Each distinct token decoded once, in one call: per-token decodes dominated the cost.
+        distinct = ids.unique().tolist()
+        names = dict(zip(distinct, self._backend.decode_batch([[t] for t in distinct], skip_special_tokens=False)))
         for j, (row_ids, row_vals, rank) in enumerate(zip(ids.tolist(), vals.tolist(), ranks.tolist())):
             pos = start + 1 + j
             if parent.prompt_logprobs[pos] is None:
                 parent.prompt_logprobs_missing -= 1
-            parent.prompt_logprobs[pos] = self._position_logprobs(len(row_ids) - 1, row_ids, row_vals, rank)
+            parent.prompt_logprobs[pos] = self._position_logprobs(len(row_ids) - 1, row_ids, row_vals, rank, names)
         if parent.prompt_logprobs_missing == 0:
             parent.children[0].computes_prompt_logprobs = False
 
@@ -392,9 +395,12 @@ class LLMEngine:
                 self._finish(req, FinishReason.ERROR, error=_phase_error("token append (detokenize, stop check)", exc))
             self._parents[req.parent_id].dirty.add(req.index)
 
-    def _position_logprobs(self, k: int, ids: list[int], vals: list[float], sampled_rank: int) -> PositionLogprobs:
+    def _position_logprobs(
+        self, k: int, ids: list[int], vals: list[float], sampled_rank: int, names: dict[int, str] | None = None
+    ) -> PositionLogprobs:
+        """``names``: the decoded text of every token in ``ids``, when already known."""
         def decode(tok: int) -> str:
-            return self._backend.decode([tok], skip_special_tokens=False)
+            return names[tok] if names is not None else self._backend.decode([tok], skip_special_tokens=False)
 
         position: PositionLogprobs = {ids[0]: Logprob(wire_logprob(vals[0]), sampled_rank, decode(ids[0]))}
         for i in range(1, k + 1):

@@ -70,6 +70,7 @@ def assert_matches_reference(loaded, prompt: list[int], got: list[PositionLogpro
     assert got is not None and len(got) == len(prompt)
     assert got[0] is None
     ref = _reference_rows(loaded, prompt)
+    backend = loaded.tokenizer.backend_tokenizer
     for j in range(1, len(prompt)):
         row, tok, pos = ref[j - 1], prompt[j], got[j]
         assert pos is not None and tok in pos, f"position {j}"
@@ -83,6 +84,7 @@ def assert_matches_reference(loaded, prompt: list[int], got: list[PositionLogpro
         assert sorted(lp.rank for lp in others.values()) == sorted(set(lp.rank for lp in others.values()))
         for t, lp in pos.items():
             assert abs(lp.logprob - float(row[t])) < ATOL, f"position {j}: token {t}"
+            assert lp.decoded_token == backend.decode([t], skip_special_tokens=False)
         for t, lp in others.items():
             assert 1 <= lp.rank <= k and lp.logprob >= kth - ATOL, f"position {j}: {t} is not in the top {k}"
         assert len(pos) in (k, k + 1), f"position {j}: {len(pos)} entries for k={k}"
