@@ -105,3 +105,16 @@ def test_chat_response_carries_prompt_logprobs():
     body = chat_response("id", "m", _out([4]), decode, 0)
     assert body["prompt_logprobs"][0] is None and set(body["prompt_logprobs"][2]) == {"3"}
     assert prompt_logprobs_json(None) is None
+
+
+def test_each_prompt_echoes_its_own_text_in_all_its_choices():
+    a, b = _out([4]), _out([5])
+    b.outputs.append(CompletionOutput(1, " on", [4], None, None, "length"))
+    a.outputs.append(CompletionOutput(1, " mat", [5], None, None, "length"))
+    for c in a.outputs + b.outputs:
+        c.logprobs = None
+    echoes = [Echo("A", PROMPT_IDS, None), Echo("B", PROMPT_IDS, None)]
+    body = completion_response("id", "m", [a, b], decode, echoes=echoes)
+    assert [(ch["index"], ch["text"]) for ch in body["choices"]] == [
+        (0, "A on"), (1, "A mat"), (2, "B mat"), (3, "B on")]
+    assert body["usage"]["completion_tokens"] == 4

@@ -18,7 +18,7 @@ from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.llm import LLM
 from worker.outputs import OutputAccumulator, PositionLogprobs, RequestOutput
-from worker.runner import block_bytes
+from worker.runner import ScheduledSeq, block_bytes
 from worker.sampling_params import SamplingParams
 
 ATOL = 1e-4
@@ -166,3 +166,35 @@ def test_prompt_logprobs_capped_by_max_logprobs() -> None:
     SamplingParams(prompt_logprobs=20).validate_for_model(1000, max_logprobs=20)
     with pytest.raises(ValueError, match=r"^prompt_logprobs: .*<= 20"):
         SamplingParams(prompt_logprobs=21).validate_for_model(1000, max_logprobs=20)
+
+
+def test_runner_returns_prompt_rows_after_sampled_rows(tiny_model) -> None:
+    """Two chunks of one prompt and a plain row: sampled rows first, then each seq's prompt rows."""
+    from worker.runner import ModelRunner
+
+    prompt, other = prompts_of(tiny_model, 2, lo=20, hi=21, seed=5)
+    runner = ModelRunner(tiny_model, num_blocks=16, block_size=8)
+    first = runner.execute([ScheduledSeq(list(range(3)), prompt[:12], 0, False, prompt_logits=12)])
+    rest = runner.execute([
+        ScheduledSeq(list(range(3)), prompt[12:], 12, True, prompt_logits=7),
+        ScheduledSeq(list(range(3, 6)), other, 0, True),
+    ])
+    assert first.shape[0] == 12 and rest.shape[0] == 2 + 7
+    with torch.inference_mode():
+        full = tiny_model.model(torch.tensor([prompt], device=tiny_model.device)).logits[0].float()
+        plain = tiny_model.model(torch.tensor([other], device=tiny_model.device)).logits[0, -1].float()
+    torch.testing.assert_close(first.float(), full[:12], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rest[0].float(), full[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rest[1].float(), plain, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rest[2:].float(), full[12:19], atol=1e-4, rtol=1e-4)
+
+
+def test_abort_mid_prefill_ends_without_prompt_logprobs(tiny_model) -> None:
+    engine = _engine(tiny_model, max_num_batched_tokens=8)
+    prompt = prompts_of(tiny_model, 1, lo=40, hi=41, seed=2)[0]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, prompt_logprobs=1))
+    assert engine.step() == []  # the first chunk ran; nothing to say yet
+    engine.abort_request("r")
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].finish_reason == "abort" and out.prompt_logprobs is None
+    assert not engine.has_unfinished()
