@@ -8,7 +8,6 @@ worker. Valid ones stream from a worker replica chosen by Serve's router.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -215,14 +214,15 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
         except Exception as exc:
             return self._error(exc)
         self.metrics.request("http", 200, outs)
-        echoes = [self._echo(r, out, body) for r, out in zip(raw, outs)] if body.echo else None
+        echoes = [self._echo(r, ids, out, body) for r, ids, out in zip(raw, prompts, outs)] if body.echo else None
         return StrictJSONResponse(completion_response(rid, model, list(outs), self.decode_token, body.return_token_ids,
                                                       body.include_stop_str_in_output, echoes))
 
-    def _echo(self, raw: str | list[int], out: RequestOutput, body: CompletionRequest) -> Echo:
-        """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded)."""
+    def _echo(self, raw: str | list[int], ids: list[int], first: RequestOutput, body: CompletionRequest) -> Echo:
+        """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded),
+        its tokens, and the prompt logprobs ``first`` (the request's first output) carries."""
         text = raw if isinstance(raw, str) else self.tokenizer.decode(raw)
-        return Echo(text, list(out.prompt_token_ids), out.prompt_logprobs, body.echo_only)
+        return Echo(text, ids, first.prompt_logprobs, body.echo_only)
 
     async def _stream_completions(
         self, rid: str, model: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest,
@@ -255,7 +255,7 @@ class LogitpoolIngress(grpc_service.GrpcMethods):
                     yield "data: [DONE]\n\n"
                     return
                 if body.echo and i not in echoes:
-                    echoes[i] = self._echo(raw[i], dataclasses.replace(item, prompt_token_ids=prompts[i]), body)
+                    echoes[i] = self._echo(raw[i], prompts[i], item, body)
                 for c in item.outputs:
                     index = i * params.n + c.index
                     n_tokens += 0 if body.echo_only else len(c.token_ids)
