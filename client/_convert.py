@@ -221,6 +221,13 @@ def _logprobs(positions: Sequence[pb.PositionLogprobs]) -> tuple[TokenLogprobs, 
     )
 
 
+def _prompt_logprobs(msg: Any) -> tuple[TokenLogprobs | None, ...] | None:
+    """The response's prompt logprobs, the first prompt token's None put back; None when unset."""
+    if not msg.HasField("prompt_logprobs"):
+        return None
+    return (None, *_logprobs(msg.prompt_logprobs.positions))
+
+
 def _choice(c: pb.Completion) -> Choice:
     return Choice(
         index=c.index,
@@ -248,6 +255,7 @@ def completion_from_pb(resp: pb.GenerateResponse) -> Completion:
         choices=choices,
         cumulative_logprob=first.cumulative_logprob,
         error=first.error,
+        prompt_logprobs=_prompt_logprobs(resp),
     )
 
 
@@ -265,6 +273,11 @@ def chunks_from_pb(resp: pb.GenerateStreamResponse) -> list[Chunk]:
         )
         for d in resp.deltas
     ]
+    plp = _prompt_logprobs(resp)
+    if plp is not None:
+        if not chunks:
+            chunks.append(Chunk(index=0, text="", token_ids=(), request_id=resp.request_id))
+        chunks[0] = replace(chunks[0], prompt_logprobs=plp)
     if resp.HasField("usage"):
         usage = _usage(resp.usage)
         if chunks:

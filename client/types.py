@@ -60,6 +60,8 @@ class Completion:
     choices: tuple[Choice, ...]
     cumulative_logprob: float | None = None
     error: str | None = None
+    # One per prompt token when ``prompt_logprobs`` was asked for; the first is None.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,8 @@ class Chunk:
     usage: Usage | None = None
     request_id: str = ""
     error: str | None = None
+    # On the request's first chunk, when ``prompt_logprobs`` was asked for (see Completion).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,14 @@ def _logprobs_pb(positions: list[PositionLogprobs] | None, token_ids: list[int],
     return out
 
 
+def _prompt_logprobs_pb(out: RequestOutput, prompt_token_ids: list[int], decode: Any) -> pb.PromptLogprobs | None:
+    """Positions 1.. of the prompt (the first has none), or None when the request did not ask."""
+    plp = out.prompt_logprobs
+    if plp is None:
+        return None
+    return pb.PromptLogprobs(positions=_logprobs_pb(plp[1:], prompt_token_ids[1:], decode))  # type: ignore[arg-type]
+
+
 def _usage(out: RequestOutput) -> pb.Usage:
     n_prompt = len(out.prompt_token_ids)
     n_out = sum(len(c.token_ids) for c in out.outputs)
@@ -85,10 +93,15 @@ def response_pb(request_id: str, out: RequestOutput, decode: Any) -> pb.Generate
         if c.cumulative_logprob is not None:
             msg.cumulative_logprob = c.cumulative_logprob
         completions.append(msg)
-    return pb.GenerateResponse(request_id=request_id, completions=completions, usage=_usage(out))
+    return pb.GenerateResponse(request_id=request_id, completions=completions, usage=_usage(out),
+                               prompt_logprobs=_prompt_logprobs_pb(out, out.prompt_token_ids, decode))
 
 
-def delta_pb(request_id: str, delta: RequestOutput, decode: Any, usage: RequestOutput | None = None) -> pb.GenerateStreamResponse:
+def delta_pb(
+    request_id: str, delta: RequestOutput, decode: Any, usage: RequestOutput | None = None,
+    prompt_token_ids: list[int] | None = None,
+) -> pb.GenerateStreamResponse:
+    """``prompt_token_ids``: the request's prompt (deltas arrive without it), for prompt logprobs."""
     def one(c: CompletionOutput) -> pb.CompletionDelta:
         return pb.CompletionDelta(
             index=c.index, text=c.text, token_ids=c.token_ids,
@@ -97,6 +110,9 @@ def delta_pb(request_id: str, delta: RequestOutput, decode: Any, usage: RequestO
         )
 
     msg = pb.GenerateStreamResponse(request_id=request_id, deltas=[one(c) for c in delta.outputs])
+    plp = _prompt_logprobs_pb(delta, prompt_token_ids or delta.prompt_token_ids, decode)
+    if plp is not None:
+        msg.prompt_logprobs.CopyFrom(plp)
     if usage is not None:
         msg.usage.CopyFrom(_usage(usage))
     return msg

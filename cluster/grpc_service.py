@@ -86,7 +86,8 @@ class GrpcAdapter:
                 total = acc.add(delta)
                 if delta.finished:
                     total.prompt_token_ids = ids  # deltas arrive without the prompt
-                yield delta_pb(rid, delta, self.frontend.decode_token, usage=total if delta.finished else None)
+                yield delta_pb(rid, delta, self.frontend.decode_token, usage=total if delta.finished else None,
+                               prompt_token_ids=ids)
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc")

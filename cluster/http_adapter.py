@@ -22,10 +22,13 @@ from cluster.limits import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    Echo,
+    after_echo,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_response,
+    echoed,
     new_id,
     now,
     usage,
@@ -102,22 +105,32 @@ class HttpAdapter:
         try:
             body = await self._parse(request, CompletionRequest)
             params = body.sampling_params()
-            prompts = await fe.prepare(params, body.prompts())
+            raw = body.prompts()
+            prompts = await fe.prepare(params, raw)
         except Exception as exc:
             return self.error(exc)
         rid = new_id("cmpl")
         if body.stream:
-            return StreamingResponse(self._stream_completions(rid, prompts, params, body), media_type="text/event-stream")
+            return StreamingResponse(self._stream_completions(rid, prompts, params, body, raw),
+                                     media_type="text/event-stream")
         try:
             outs = await asyncio.gather(*(fe.run(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)))
         except Exception as exc:
             return self.error(exc)
         fe.count_ok("http", outs)
+        echoes = [self._echo(r, ids, out, body) for r, ids, out in zip(raw, prompts, outs)] if body.echo else None
         return StrictJSONResponse(completion_response(rid, fe.model_name, list(outs), fe.decode_token,
-                                                      body.return_token_ids, body.include_stop_str_in_output))
+                                                      body.return_token_ids, body.include_stop_str_in_output, echoes))
+
+    def _echo(self, raw: str | list[int], ids: list[int], first: RequestOutput, body: CompletionRequest) -> Echo:
+        """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded),
+        its tokens, and the prompt logprobs ``first`` (the request's first output) carries."""
+        text = raw if isinstance(raw, str) else self.frontend.tokenizer.decode(raw)
+        return Echo(text, ids, first.prompt_logprobs, body.echo_only)
 
     async def _stream_completions(
-        self, rid: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest
+        self, rid: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest,
+        raw: list[str | list[int]],
     ) -> AsyncIterator[str]:
         fe = self.frontend
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -133,6 +146,7 @@ class HttpAdapter:
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
         done, n_tokens, created = 0, 0, now()
         sent: dict[int, int] = {}  # characters sent per choice index: the next text_offset
+        echoes: dict[int, Echo] = {}  # per prompt, from its first delta (which carries the prompt logprobs)
         try:
             while done < len(tasks):
                 i, item = await queue.get()
@@ -143,13 +157,23 @@ class HttpAdapter:
                     for event in self._error_event(item):
                         yield event
                     return
+                if body.echo and i not in echoes:
+                    echoes[i] = self._echo(raw[i], prompts[i], item, body)
                 for c in item.outputs:
-                    n_tokens += len(c.token_ids)
                     index = i * params.n + c.index
+                    n_tokens += 0 if body.echo_only else len(c.token_ids)
+                    if body.echo:  # the prompt comes first, in the choice's first chunk (as vLLM)
+                        c = after_echo(c, echoes[i]) if index in sent else echoed(c, echoes[i])
+                        if index in sent and not c.text and c.finish_reason is None:
+                            continue
                     chunk = completion_chunk(rid, fe.model_name, c, fe.decode_token, i * params.n, body.return_token_ids,
                                              created=created, text_offset=sent.get(index, 0),
                                              include_stop=body.include_stop_str_in_output)
-                    sent[index] = sent.get(index, 0) + len(chunk["choices"][0]["text"])
+                    lp = chunk["choices"][0]["logprobs"]
+                    # Offsets run over the tokens' texts, as in the whole response (an echoed
+                    # prompt's special tokens are in them, not in its text).
+                    sent[index] = (lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"]
+                                   else sent.get(index, 0) + len(chunk["choices"][0]["text"]))
                     yield sse(chunk)
             if body.include_usage:
                 yield sse(usage_chunk(rid, fe.model_name, "text_completion", usage(sum(map(len, prompts)), n_tokens),

@@ -9,15 +9,16 @@ servers do, so newer SDKs keep working; known fields this server does not implem
 from __future__ import annotations
 
 import math
-
 import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.openai_structured import ForcedTool, forced_tool, reject_not_implemented, structured_from_fields, tool_call_message
-from worker.outputs import CompletionOutput, RequestOutput
+from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from worker.sampling_params import INT64_MAX, SamplingParams
 
 LOGIT_BIAS_LIMIT = 100.0
@@ -61,6 +62,8 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     # vLLM's extension: a matched stop string stays at the end of the text.
     include_stop_str_in_output: bool = False
+    # vLLM's extension: logprobs of the prompt tokens (response field `prompt_logprobs`).
+    prompt_logprobs: int | None = None
     # Structured outputs: at most one (cluster/openai_structured.py).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -86,7 +89,7 @@ class _SamplingFields(BaseModel):
         for name in (
             "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
             "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
-            "allowed_token_ids", "skip_special_tokens", "logprobs_mode",
+            "allowed_token_ids", "skip_special_tokens", "logprobs_mode", "prompt_logprobs",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -128,14 +131,20 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix: not supported by this server")
         return self
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: only the prompt comes back (how lm-eval scores loglikelihood)."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo: not supported")
         kw = self._sampling_kwargs()
         if self.max_tokens is not None:
-            kw["max_tokens"] = self.max_tokens
+            # vLLM generates one token for echo-only requests and drops it from the response.
+            kw["max_tokens"] = 1 if self.echo_only else self.max_tokens
         if self.logprobs is not None:
             kw["logprobs"] = self.logprobs
+            if self.echo and self.prompt_logprobs is None:
+                kw["prompt_logprobs"] = self.logprobs  # the echoed prompt's logprobs, as vLLM
         return SamplingParams(**kw)
 
     def prompts(self) -> list[str | list[int]]:
@@ -249,14 +258,58 @@ def completion_logprobs(c: CompletionOutput, decode: Any, text_offset: int = 0) 
     if c.logprobs is None:
         return None
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for tok, position in zip(c.token_ids, c.logprobs):
+    positions: Sequence[PositionLogprobs | None] = c.logprobs
+    for tok, position in zip(c.token_ids, positions):  # None: an echoed prompt's first token
         text = decode(tok)
         offsets.append(text_offset)
         text_offset += len(text)
         tokens.append(text)
-        token_logprobs.append(position[tok].logprob)
-        top.append({decode(t): lp.logprob for t, lp in position.items()})
+        token_logprobs.append(None if position is None else position[tok].logprob)
+        top.append(None if position is None else {decode(t): lp.logprob for t, lp in position.items()})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion choice starts with (`echo`); ``only``: max_tokens was 0."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None] | None
+    only: bool = False
+
+
+def echoed(c: CompletionOutput, e: Echo) -> CompletionOutput:
+    """``c`` with the prompt in front: text, token ids and (when asked for) logprobs, prompt first."""
+    lps = None if c.logprobs is None else list(e.logprobs or [None] * len(e.token_ids))
+    if e.only:
+        finish = "length" if c.finish_reason is not None and c.finish_reason != "error" else c.finish_reason
+        return CompletionOutput(c.index, e.text, list(e.token_ids), None, lps, finish, None, c.error)  # type: ignore[arg-type]
+    if lps is not None and c.logprobs is not None:
+        lps.extend(c.logprobs)
+    return CompletionOutput(c.index, e.text + c.text, [*e.token_ids, *c.token_ids], c.cumulative_logprob,
+                            lps, c.finish_reason, c.stop_reason, c.error)  # type: ignore[arg-type]
+
+
+def after_echo(c: CompletionOutput, e: Echo) -> CompletionOutput:
+    """A later stream delta of an echo-only choice: nothing generated is shown, only the finish."""
+    if not e.only:
+        return c
+    finish = "length" if c.finish_reason is not None and c.finish_reason != "error" else c.finish_reason
+    return CompletionOutput(c.index, "", [], None, None if c.logprobs is None else [], finish, None, c.error)
+
+
+def prompt_logprobs_json(plp: Sequence[PositionLogprobs | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, None or {token id: {logprob, rank, decoded_token}}."""
+    if plp is None:
+        return None
+    return [
+        None if position is None else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in position.items()
+        }
+        for position in plp
+    ]
 
 
 def chat_logprobs(c: CompletionOutput, decode: Any, top_n: int) -> dict[str, Any] | None:
@@ -295,18 +348,23 @@ def _choice(fields: dict[str, Any], c: CompletionOutput, token_ids: bool) -> dic
 
 def completion_response(
     rid: str, model: str, outs: list[RequestOutput], decode: Any, token_ids: bool = False,
-    include_stop: bool = False,
+    include_stop: bool = False, echoes: Sequence[Echo] | None = None,
 ) -> dict[str, Any]:
+    """``echoes``: per prompt, what `echo` puts in front of each of its choices."""
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, out in enumerate(outs):
         prompt_tokens += len(out.prompt_token_ids)
         for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            choices.append(_choice({
+            shown = c if echoes is None else echoed(c, echoes[i])
+            completion_tokens += 0 if echoes is not None and echoes[i].only else len(c.token_ids)
+            choice = _choice({
                 "index": i * len(out.outputs) + c.index,
-                "text": output_text(c, include_stop),
-                "logprobs": completion_logprobs(c, decode),
-            }, c, token_ids))
+                "text": output_text(shown, include_stop),
+                "logprobs": completion_logprobs(shown, decode),
+            }, shown, token_ids)
+            if out.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            choices.append(choice)
     return {
         "id": rid, "object": "text_completion", "created": now(), "model": model,
         "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
@@ -334,10 +392,13 @@ def chat_response(
             choice["token_ids"] = list(c.token_ids)
         choices.append(choice)
     n_out = sum(len(c.token_ids) for c in out.outputs)
-    return {
+    body = {
         "id": rid, "object": "chat.completion", "created": now(), "model": model,
         "choices": choices, "usage": usage(len(out.prompt_token_ids), n_out),
     }
+    if out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    return body
 
 
 def completion_chunk(

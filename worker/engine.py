@@ -28,6 +28,7 @@ from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.kv.manager import KVCacheManager
 from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
+from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.reorder import tail_swaps
 from worker.request import Request
@@ -50,10 +51,20 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[Request]
     dirty: set[int] = field(default_factory=set)
+    # Prompt logprobs (params.prompt_logprobs set): filled by position as child 0 prefills, so a
+    # recomputed chunk overwrites rather than duplicates; sent once, with the first output.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_missing: int = 0
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
+
+    @property
+    def awaiting_prompt_logprobs(self) -> bool:
+        """Outputs wait for the prompt logprobs, unless the sequence computing them has ended."""
+        return self.prompt_logprobs_missing > 0 and not self.children[0].finished
 
 
 class LLMEngine:
@@ -147,7 +158,13 @@ class LLMEngine:
             if child_params.seed is not None:
                 child.generator = seeded_generator(child_params.seed, self.device)
             children.append(child)
-        return _Parent(request_id, prompt if isinstance(prompt, str) else None, ids, children)
+        parent = _Parent(request_id, prompt if isinstance(prompt, str) else None, ids, children)
+        if params.prompt_logprobs is not None:
+            # Computed once, by child 0, and shared by every child (n > 1).
+            parent.prompt_logprobs = [None] * len(ids)
+            parent.prompt_logprobs_missing = len(ids) - 1
+            children[0].computes_prompt_logprobs = len(ids) > 1
+        return parent
 
     def add_prepared(self, parent: _Parent) -> None:
         self._inbox.put(("add", parent))
@@ -235,9 +252,11 @@ class LLMEngine:
             partial = [c for c in sched.chunks.values() if not c.sample]
             logits = self._execute(rows, partial)
             if rows and logits is not None:
-                sampled = self._sample(rows, logits)
+                sampled = self._sample(rows, logits[: len(rows)])
                 if sampled is not None:
                     self._append_samples(*sampled)
+            if logits is not None and logits.shape[0] > len(rows):
+                self._record_prompt_logprobs(rows + partial, logits[len(rows) :])
         return self._collect_outputs()
 
     def _schedule(self) -> SchedulerOutput | None:
@@ -271,7 +290,10 @@ class LLMEngine:
         """The forward over every scheduled chunk; on failure those requests end with `error`."""
         if not rows and not partial:
             return None
-        seqs = [ScheduledSeq(c.request.block_ids, c.token_ids, c.start_pos, c.sample) for c in rows + partial]
+        seqs = [
+            ScheduledSeq(c.request.block_ids, c.token_ids, c.start_pos, c.sample, _prompt_positions(c))
+            for c in rows + partial
+        ]
         try:
             logits = self.runner.execute(seqs)
         except Exception as exc:
@@ -309,6 +331,37 @@ class LLMEngine:
             logits = logits[torch.tensor([position[r.request_id] for r in survivors], device=logits.device)]
             work = logits.clone()
 
+    def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        """Fill the parents' prompt logprobs from the extra logits rows (``_prompt_positions`` per chunk)."""
+        counts = [_prompt_positions(c) for c in chunks]
+        offset = 0
+        for chunk, m in zip(chunks, counts):
+            if not m:
+                continue
+            req = chunk.request
+            try:
+                self._fill_prompt_logprobs(self._parents[req.parent_id], chunk.start_pos, logits[offset : offset + m])
+            except Exception as exc:  # this request alone ends
+                self._finish(req, FinishReason.ERROR, error=_phase_error("prompt logprobs", exc))
+            offset += m
+
+    def _fill_prompt_logprobs(self, parent: _Parent, start: int, logits: torch.Tensor) -> None:
+        """Logits at positions start.. predict prompt tokens start+1..; each position is stored once."""
+        assert parent.prompt_logprobs is not None
+        k = parent.children[0].params.prompt_logprobs or 0
+        targets = parent.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+        ids, vals, ranks = prompt_logprobs_topk(logits, torch.tensor(targets, device=logits.device), k)
+        # Each distinct token decoded once, in one call: per-token decodes dominated the cost.
+        distinct = ids.unique().tolist()
+        names = dict(zip(distinct, self._backend.decode_batch([[t] for t in distinct], skip_special_tokens=False)))
+        for j, (row_ids, row_vals, rank) in enumerate(zip(ids.tolist(), vals.tolist(), ranks.tolist())):
+            pos = start + 1 + j
+            if parent.prompt_logprobs[pos] is None:
+                parent.prompt_logprobs_missing -= 1
+            parent.prompt_logprobs[pos] = self._position_logprobs(len(row_ids) - 1, row_ids, row_vals, rank, names)
+        if parent.prompt_logprobs_missing == 0:
+            parent.children[0].computes_prompt_logprobs = False
+
     def _swaps(self, order: list[str]) -> list[tuple[int, int]]:
         if not self.config.reorder_batch:
             return []
@@ -342,9 +395,12 @@ class LLMEngine:
                 self._finish(req, FinishReason.ERROR, error=_phase_error("token append (detokenize, stop check)", exc))
             self._parents[req.parent_id].dirty.add(req.index)
 
-    def _position_logprobs(self, k: int, ids: list[int], vals: list[float], sampled_rank: int) -> PositionLogprobs:
+    def _position_logprobs(
+        self, k: int, ids: list[int], vals: list[float], sampled_rank: int, names: dict[int, str] | None = None
+    ) -> PositionLogprobs:
+        """``names``: the decoded text of every token in ``ids``, when already known."""
         def decode(tok: int) -> str:
-            return self._backend.decode([tok], skip_special_tokens=False)
+            return names[tok] if names is not None else self._backend.decode([tok], skip_special_tokens=False)
 
         position: PositionLogprobs = {ids[0]: Logprob(wire_logprob(vals[0]), sampled_rank, decode(ids[0]))}
         for i in range(1, k + 1):
@@ -462,7 +518,7 @@ class LLMEngine:
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs, self._rejected = self._rejected, []
         for parent in list(self._parents.values()):
-            if not parent.dirty:
+            if not parent.dirty or parent.awaiting_prompt_logprobs:
                 continue
             try:
                 deltas = [self._delta(parent.children[i]) for i in sorted(parent.dirty)]
@@ -470,7 +526,12 @@ class LLMEngine:
                 deltas = self._error_deltas(parent, _phase_error("output collection", exc))
             parent.dirty.clear()
             finished = parent.finished
-            outputs.append(RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, deltas, finished))
+            out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, deltas, finished)
+            if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
+                parent.prompt_logprobs_sent = True
+                if parent.prompt_logprobs_missing == 0:
+                    out.prompt_logprobs = parent.prompt_logprobs
+            outputs.append(out)
             if finished:
                 del self._parents[parent.request_id]
                 for child in parent.children:
@@ -501,6 +562,14 @@ class LLMEngine:
         req.new_token_ids = []
         req.new_logprobs = []
         return delta
+
+
+def _prompt_positions(chunk: ScheduledChunk) -> int:
+    """How many leading positions of a chunk give prompt logprobs (each predicts the next prompt token)."""
+    req = chunk.request
+    if not req.computes_prompt_logprobs:
+        return 0
+    return max(0, min(chunk.start_pos + len(chunk.token_ids), req.prompt_len - 1) - chunk.start_pos)
 
 
 def _phase_error(phase: str, exc: BaseException) -> str:

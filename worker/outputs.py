@@ -65,6 +65,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # One entry per prompt token (the first is None: nothing precedes it), when the request asked
+    # for prompt_logprobs; sent once, in the request's first output.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class OutputAccumulator:
@@ -81,6 +84,8 @@ class OutputAccumulator:
     def add(self, delta: RequestOutput) -> RequestOutput:
         if self._out is None:
             self._out = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids)
+        if delta.prompt_logprobs is not None:
+            self._out.prompt_logprobs = delta.prompt_logprobs
         for d in delta.outputs:
             cur = self._by_index.get(d.index)
             if cur is None:

@@ -32,6 +32,8 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     in_batch: bool = False
+    # This sequence computes its parent's prompt logprobs: its prefill reuses no cached blocks.
+    computes_prompt_logprobs: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None

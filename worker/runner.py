@@ -37,6 +37,8 @@ class ScheduledSeq:
     token_ids: list[int]  # tokens to run this step (a prompt chunk, or the 1 last sampled token)
     start_pos: int  # how many tokens of this request are already in its KV blocks
     sample: bool  # True if this seq's last position produces logits this step
+    # Logits of this many leading positions are returned too (prompt logprobs), after every sampled row.
+    prompt_logits: int = 0
 
 
 def kv_shape(loaded: LoadedModel) -> tuple[int, int, int]:
@@ -151,6 +153,7 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         keep: list[int] = []
+        extra: list[int] = []
         dec_index: list[int] = []
         dec_lens: list[int] = []
         dec_tables: list[Sequence[int]] = []
@@ -165,6 +168,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(s.start_pos, end))
             if s.sample:
                 keep.append(start + n - 1)
+            extra.extend(range(start, start + s.prompt_logits))
             used = -(-end // bs)
             if n == 1:
                 dec_index.append(start)
@@ -173,6 +177,7 @@ class ModelRunner:
             else:
                 chunk_args.append((start, n, s.start_pos, used))
                 chunk_blocks.extend(table[:used])
+        keep += extra
         width = max(map(len, dec_tables), default=0)
         padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
         total = len(ids)
@@ -196,7 +201,8 @@ class ModelRunner:
         return t_ids, t_pos, t_keep, meta
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order."""
+        """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order,
+        then the ``prompt_logits`` rows of each seq, in seqs order."""
         self._check(seqs)
         with torch.inference_mode():
             if not seqs:

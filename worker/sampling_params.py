@@ -109,6 +109,9 @@ class SamplingParams:
     # One output constraint (JSON schema, regex, choice, grammar, any JSON object); a dict is
     # converted. Enforced by the built-in StructuredOutputsLogitsProcessor.
     structured_outputs: StructuredOutputsParams | None = None
+    # Logprobs of the prompt's own tokens plus the top-k at each prompt position (raw model
+    # log-softmax, computed in the prefill forward); None: off.
+    prompt_logprobs: int | None = None
 
     # Filled by the engine from the tokenizer / generation config before admission
     # (vLLM does the same): token-id forms of the bad words, and every stop token id
@@ -207,6 +210,9 @@ class SamplingParams:
                     raise _bad("logit_bias", bias, f"bias of token {tok} must be a finite number")
         if self.logprobs is not None and not _is_int_in(self.logprobs, 0, INT64_MAX):
             raise _bad("logprobs", self.logprobs, "must be an integer >= 0")
+        if self.prompt_logprobs is not None and not _is_int_in(self.prompt_logprobs, 0, INT64_MAX):
+            raise _bad("prompt_logprobs", self.prompt_logprobs,
+                       "must be an integer >= 0 (-1, the whole vocabulary, is not supported)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
         if self.extra_args is not None:
@@ -230,6 +236,8 @@ class SamplingParams:
                     raise _bad(name, tok, f"token id out of vocabulary (vocab_size={vocab_size})")
         if self.logprobs is not None and self.logprobs > max_logprobs:
             raise _bad("logprobs", self.logprobs, f"must be <= {max_logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
+            raise _bad("prompt_logprobs", self.prompt_logprobs, f"must be <= {max_logprobs}")
 
     # -- engine-side completion ----------------------------------------------------------
 

@@ -109,8 +109,9 @@ class Scheduler:
 
     def _admit(self, req: Request, out: SchedulerOutput) -> bool:
         """Admit the head of the queue if KV blocks allow its first chunk."""
-        hits = self.kv.computed_prefix(req)
-        if self._prefix_in_flight(req, len(hits)):
+        # Prompt logprobs need every prompt position's logits: no cached prefix (as vLLM).
+        hits = [] if req.computes_prompt_logprobs else self.kv.computed_prefix(req)
+        if not req.computes_prompt_logprobs and self._prefix_in_flight(req, len(hits)):
             return False
         cached = len(hits) * self.kv.block_size
         n = min(req.num_tokens - cached, self._budget)

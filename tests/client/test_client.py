@@ -99,7 +99,7 @@ def test_every_sampling_keyword_reaches_the_server(server: Running) -> None:
         stop=["x", "yz"], stop_token_ids=[3, 4], ignore_eos=True, bad_words=["bad"],
         allowed_token_ids=[7, 8], logit_bias={7: -100.0, 8: 2.5}, logprobs=0,
         logprobs_mode="processed_logits", skip_special_tokens=False, extra_args={"k": 1},
-        structured_outputs={"choice": ["p", "q"]},
+        structured_outputs={"choice": ["p", "q"]}, prompt_logprobs=3,
     )
     assert set(sampling) == client._convert.SAMPLING_FIELDS  # the test covers every field
     with Client(server.target) as c:

@@ -72,6 +72,30 @@ def _text_offsets(body: dict[str, Any]) -> None:
     assert lp["text_offset"] == expected
 
 
+def _echoed(prompt: str, completion_tokens: int) -> Callable:
+    """`echo`: the prompt first in text and logprobs (its first token's logprob null), offsets over both."""
+    def check(body: dict[str, Any]) -> None:
+        (choice,) = body["choices"]
+        n_prompt = body["usage"]["prompt_tokens"]
+        assert choice["text"].startswith(prompt) and body["usage"]["completion_tokens"] == completion_tokens
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n_prompt + completion_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        assert len(choice["prompt_logprobs"]) == n_prompt and choice["prompt_logprobs"][0] is None
+        if completion_tokens == 0:
+            assert (choice["text"], choice["finish_reason"]) == (prompt, "length")
+    return check
+
+
+def _chat_prompt_logprobs(body: dict[str, Any]) -> None:
+    plp = body["prompt_logprobs"]
+    assert len(plp) == body["usage"]["prompt_tokens"] and plp[0] is None
+    assert all(len(p) in (1, 2) and all(set(v) == {"logprob", "rank", "decoded_token"} for v in p.values())
+               for p in plp[1:])
+
+
 def _models(body: dict[str, Any]) -> None:
     (m,) = body["data"]
     assert (m["id"], m["object"], m["max_model_len"]) == (SERVED, "model", MAX_MODEL_LEN)
@@ -91,7 +115,16 @@ TABLE: list[tuple[str, str, dict[str, Any] | None, int, Callable]] = [
     ("empty_prompt_list", C, {"prompt": []}, 400, _error(400, "prompt")),
     ("empty_prompt_in_list", C, {"prompt": ["x", ""]}, 400, _error(400, "prompt")),
     ("suffix", C, {"prompt": "x", "suffix": "y"}, 400, _error(400, "suffix", says="not supported")),
-    ("echo", C, {"prompt": "x", "echo": True}, 400, _error(400, "echo", says="not supported")),
+    ("echo_max_tokens_0", C, {"prompt": "def f(", "echo": True, "max_tokens": 0, "logprobs": 2}, 200,
+     _echoed("def f(", 0)),
+    ("echo_and_completion", C, {"prompt": "def f(", "echo": True, "max_tokens": 3, "logprobs": 1,
+                                "ignore_eos": True}, 200, _echoed("def f(", 3)),
+    ("echo_logprobs_over_cap", C, {"prompt": "x", "echo": True, "logprobs": 21}, 400, _error(400, "logprobs")),
+    ("prompt_logprobs_over_cap", C, {"prompt": "x", "prompt_logprobs": 21}, 400,
+     _error(400, "prompt_logprobs", says="<= 20")),
+    ("prompt_logprobs_negative", C, {"prompt": "x", "prompt_logprobs": -1}, 400, _error(400, "prompt_logprobs")),
+    ("chat_prompt_logprobs", CC, {"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 1}, 200,
+     _chat_prompt_logprobs),
     ("unknown_model", C, {"prompt": "x", "model": "gpt-4"}, 404, _error(404, "model", "NotFoundError", "gpt-4")),
     ("unknown_model_chat", CC, {"messages": CHAT, "model": "gpt-4"}, 404, _error(404, "model", "NotFoundError")),
     ("unknown_model_before_validation", C, {"prompt": "", "model": "gpt-4"}, 404, _error(404, "model", "NotFoundError")),
@@ -181,3 +214,54 @@ def test_openai_sdk_subset(base_url):
     stream = list(oai.completions.create(model=SERVED, prompt="x", max_tokens=6, stream=True,
                                          extra_body={"ignore_eos": True}))
     assert len(stream) >= 2 and len({ch.created for ch in stream}) == 1
+
+
+def test_echo_loglikelihood_with_openai_sdk(base_url, tiny_model):
+    """lm-eval-harness's loglikelihood request: token ids, echo, max_tokens 0, logprobs; values are
+    the model's log-softmax over the prompt (a plain transformers forward here)."""
+    import torch
+
+    ids = tiny_model.tokenizer.encode("def add(a, b): return a + b")
+    oai = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=60)
+    out = oai.completions.create(model=SERVED, prompt=ids, echo=True, max_tokens=0, logprobs=1, temperature=0.0)
+    (choice,) = out.choices
+    assert choice.text == tiny_model.tokenizer.decode(ids) and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) == out.usage.prompt_tokens
+    with torch.inference_mode():
+        ref = torch.log_softmax(tiny_model.model(torch.tensor([ids], device=tiny_model.device)).logits[0].float(), -1)
+    expected = [float(ref[j - 1, ids[j]]) for j in range(1, len(ids))]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-3)
+    assert all(len(top) in (1, 2) for top in lp.top_logprobs[1:])
+    streamed = list(oai.completions.create(model=SERVED, prompt=ids, echo=True, max_tokens=0, logprobs=1, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == choice.text
+    assert [v for ch in streamed if ch.choices and ch.choices[0].logprobs
+            for v in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+
+
+def test_stream_echo_sends_the_prompt_first(base_url):
+    body = {"prompt": "class Foo", "echo": True, "max_tokens": 4, "logprobs": 0, "ignore_eos": True,
+            "temperature": 0.0}
+    chunks = [json.loads(e) for e in _events(base_url, C, body)[:-1]]
+    whole = httpx.post(f"{base_url}{C}", json=body, timeout=60).json()["choices"][0]
+    assert chunks[0]["choices"][0]["text"].startswith("class Foo")
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == whole["text"]
+    offsets = [o for ch in chunks for o in ch["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole["logprobs"]["text_offset"]
+
+
+def test_grpc_prompt_logprobs_round_trip(base_url, serve_ports):
+    from client import Client
+
+    with Client(f"127.0.0.1:{serve_ports[1]}", timeout=60, application=APP) as c:
+        out = c.generate("def f(", max_tokens=1, prompt_logprobs=2)
+        streamed = list(c.stream("def f(", max_tokens=2, prompt_logprobs=2))
+    http = httpx.post(f"{base_url}{C}", json={"prompt": "def f(", "max_tokens": 1, "prompt_logprobs": 2},
+                      timeout=60).json()["choices"][0]["prompt_logprobs"]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(http) == out.usage.prompt_tokens
+    for g, h in zip(out.prompt_logprobs[1:], http[1:]):
+        assert h[str(g.token_id)]["rank"] == g.rank and h[str(g.token_id)]["logprob"] == pytest.approx(g.logprob, abs=1e-5)
+        assert {t.token_id for t in g.top} == {int(k) for k in h}
+    assert streamed[0].prompt_logprobs == out.prompt_logprobs
+    assert all(ch.prompt_logprobs is None for ch in streamed[1:])

@@ -39,9 +39,10 @@ def test_chat_max_tokens_given(fields, expected):
     (ChatCompletionRequest, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     (ChatCompletionRequest, {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
     (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    (CompletionRequest, {"prompt": "x", "echo": True}, "echo"),
+    (CompletionRequest, {"prompt": "x", "echo": True, "prompt_logprobs": -1}, "prompt_logprobs"),
+    (ChatCompletionRequest, {"messages": CHAT, "prompt_logprobs": -3}, "prompt_logprobs"),
 ])
-def test_zero_budgets_and_echo_name_the_field(model, body, param):
+def test_zero_budgets_and_prompt_logprobs_name_the_field(model, body, param):
     with pytest.raises(ValueError) as err:
         model.model_validate(body).sampling_params()
     assert error_body(classify(err.value))["error"]["param"] == param
