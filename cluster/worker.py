@@ -72,15 +72,20 @@ class ServedEngine(Protocol):
 EngineFactory = Callable[[EngineConfig], ServedEngine]
 
 
+def replica_engine_config(config: EngineConfig) -> tuple[EngineConfig, bool]:
+    """The engine config a replica builds its engine from, and whether the CPU is allowed:
+    `device: auto` is the engine's own choice (device None) with the CPU explicitly allowed."""
+    if config.device == "auto":
+        return dataclasses.replace(config, device=None), True
+    return config, False
+
+
 class LogitpoolWorker:
     def __init__(
         self, engine: dict[str, Any], stream_interval_s: float = 0.0, engine_factory: EngineFactory = AsyncEngine
     ) -> None:
         bind_replica_grpc_to_node_ip()
-        config = EngineConfig(**engine)
-        # `device: auto` is the engine's own choice (device None) with the CPU explicitly allowed.
-        allow_cpu = config.device == "auto"
-        self.config = dataclasses.replace(config, device=None) if allow_cpu else config
+        self.config, allow_cpu = replica_engine_config(EngineConfig(**engine))
         check_gpu(allow_cpu, self.config.device)
         self.stream_interval_s = stream_interval_s
         self.engine: ServedEngine = engine_factory(self.config)

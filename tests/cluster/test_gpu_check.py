@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import LogitpoolConfig, worker_engine_config
+from cluster.config import LogitpoolConfig
 from cluster.gpu_check import gpu_problem
+from cluster.worker import replica_engine_config
 
 
 @pytest.mark.parametrize(("gpu_ids", "device", "cuda", "allow_cpu", "fails"), [
@@ -27,6 +28,8 @@ def test_gpu_problem(gpu_ids, device, cuda, allow_cpu, fails):
 
 def test_device_auto_reaches_the_engine_as_its_default():
     cfg = LogitpoolConfig.model_validate({"engine": {"model": "/m", "device": "auto"}})
-    assert cfg.engine.device == "auto" and worker_engine_config(cfg).device is None
+    engine, allow_cpu = replica_engine_config(cfg.engine)
+    assert cfg.engine.device == "auto" and engine.device is None and allow_cpu
+    assert replica_engine_config(LogitpoolConfig.model_validate({"engine": {"device": "cpu"}}).engine)[1] is False
     with pytest.raises(ValueError, match="device must be auto, cpu"):
         LogitpoolConfig.model_validate({"engine": {"device": "gpu"}})
