@@ -125,7 +125,7 @@ class HttpAdapter:
     def _echo(self, raw: str | list[int], ids: list[int], first: RequestOutput, body: CompletionRequest) -> Echo:
         """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded),
         its tokens, and the prompt logprobs ``first`` (the request's first output) carries."""
-        text = raw if isinstance(raw, str) else self.frontend.tokenizer.decode(raw)
+        text = raw if isinstance(raw, str) else str(self.frontend.tokenizer.decode(raw))
         return Echo(text, ids, first.prompt_logprobs, body.echo_only)
 
     async def _stream_completions(
