@@ -13,6 +13,7 @@ chunks alike — into one ``[1, T]`` sequence with explicit position ids and run
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,11 @@ from worker.attention import (
     DecodeRows,
     PromptChunk,
     StepMetadata,
-    head_major,
     prepared_mask_sentinel,
     register_attention,
 )
+from worker.attention_cascade import MIN_SHARED_BLOCKS, common_prefix_blocks, shared_prefix
+from worker.block_gather import head_major
 from worker.models import LoadedModel
 
 DEFAULT_BLOCK_SIZE = 16
@@ -118,6 +120,7 @@ class ModelRunner:
         self._model.set_attn_implementation(register_attention())
         self._no_mask = prepared_mask_sentinel(loaded.device)
         self._workspace: dict[str, torch.Tensor] = {}
+        self.num_cascade_steps = 0  # steps whose decode rows attended a shared prefix once (cascade)
 
     @property
     def capacity_tokens(self) -> int:
@@ -175,17 +178,23 @@ class ModelRunner:
                 chunk_blocks.extend(table[:used])
         width = max(map(len, dec_tables), default=0)
         padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
-        total = len(ids)
-        flat = torch.tensor(ids + pos + slots + keep + dec_index + dec_lens + padded + chunk_blocks, dtype=torch.long)
+        shared = self._shared_blocks(padded, dec_lens, width)
+        lists = (ids, pos, slots, keep, dec_index, dec_lens, padded, chunk_blocks)
+        flat = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
         flat = flat.to(self._device, non_blocking=True)
-        sizes = [total, total, total, len(keep), len(dec_index), len(dec_index), len(padded), len(chunk_blocks)]
-        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_table, t_chunk_blocks = flat.split(sizes)
+        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_table, t_chunk_blocks = flat.split(
+            [len(part) for part in lists]
+        )
 
         kvh, nb = self._k[0].shape[0], self.num_blocks
         decode = None
         if dec_index:
             table = t_table.view(len(dec_index), width)
-            decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens))
+            cascade = None
+            if shared:
+                self.num_cascade_steps += 1
+                cascade = shared_prefix(table, t_dec_lens, max(dec_lens), shared, self.block_size, nb, kvh)
+            decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens), cascade)
         chunks: list[PromptChunk] = []
         offset = 0
         for tok, n, start, used in chunk_args:
@@ -194,6 +203,18 @@ class ModelRunner:
             offset += used
         meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace)
         return t_ids, t_pos, t_keep, meta
+
+    def _shared_blocks(self, padded: list[int], lengths: list[int], width: int) -> int:
+        """Leading blocks shared by every decode row, or 0 where cascade attention would not pay.
+
+        Cascade needs >= 2 rows and >= ``MIN_SHARED_BLOCKS`` blocks. Decided on the host lists,
+        before the step's single host-to-device copy (no device sync).
+        """
+        if len(lengths) < 2 or width < MIN_SHARED_BLOCKS:
+            return 0
+        table = torch.tensor(padded, dtype=torch.long).view(len(lengths), width)
+        shared = common_prefix_blocks(table, torch.tensor(lengths), self.block_size)
+        return shared if shared >= MIN_SHARED_BLOCKS else 0
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order."""

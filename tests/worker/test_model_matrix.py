@@ -73,6 +73,7 @@ def test_family_greedy_equals_generate(family: str, tmp_path, tiny_model: Loaded
     done = _run(engine, reqs, stagger=1)
     stats = engine.kv_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
+    assert engine.runner.num_cascade_steps > 0, "decode rows sharing the prefix must take the cascade path"
     # The oracle: the same checkpoint loaded separately with transformers' eager attention.
     from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,117 @@
+"""Cascade attention (shared prefix once, own blocks per row, log-sum-exp merge) is exact.
+
+Oracle: plain per-row attention in float64, reading each row's context position by position
+through its block table, repeating KV heads for GQA, softcap and sliding window as the eager
+reference does. Block tables are random: a shared run of leading blocks, own blocks per row in a
+shuffled pool, rows of different lengths padded with block 0 (which may itself be a shared block).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.attention import DecodeRows, StepMetadata, _decode
+from worker.attention_cascade import common_prefix_blocks, merge_partials, partial_attention, shared_prefix
+from worker.block_gather import head_major
+
+
+def reference_row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: list[int], length: int,
+                  scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+    """One row, float64: q [H, D] -> [H, D] over positions 0..length-1 of its block table."""
+    kv_heads, _, bs, _ = k_cache.shape
+    rep = q.shape[0] // kv_heads
+    keys = torch.stack([k_cache[:, table[p // bs], p % bs] for p in range(length)], dim=1).double()
+    values = torch.stack([v_cache[:, table[p // bs], p % bs] for p in range(length)], dim=1).double()
+    keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)  # [H, L, D]
+    scores = torch.einsum("hd,hld->hl", q.double(), keys) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if window is not None:
+        scores[:, : max(0, length - window)] = -math.inf
+    return torch.einsum("hl,hld->hd", torch.softmax(scores, dim=-1), values)
+
+
+def reference_common_prefix(tables: list[list[int]], lengths: list[int], bs: int) -> int:
+    run = 0
+    while all(run < len(t) for t in tables) and all(t[run] == tables[0][run] for t in tables):
+        run += 1
+    return min(run, (min(lengths) - 1) // bs)
+
+
+@st.composite
+def decode_steps(draw):
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    rep = draw(st.sampled_from([1, 2, 3]))
+    dim = draw(st.sampled_from([4, 8, 16]))
+    bs = draw(st.sampled_from([1, 2, 4, 8]))
+    batch = draw(st.integers(2, 6))
+    shared = draw(st.integers(0, 5))
+    own = draw(st.lists(st.integers(1, 3 * bs + 2), min_size=batch, max_size=batch))
+    own_blocks = [-(-n // bs) for n in own]
+    num_blocks = shared + sum(own_blocks) + draw(st.integers(0, 3))
+    ids = draw(st.permutations(range(num_blocks)))
+    prefix, rest = list(ids[:shared]), list(ids[shared:])
+    tables = []
+    for n in own_blocks:
+        tables.append(prefix + rest[:n])
+        rest = rest[n:]
+    lengths = [shared * bs + n for n in own]
+    softcap = draw(st.sampled_from([None, 1.5, 30.0]))
+    window = draw(st.sampled_from([None, 1, bs + 1, 1000]))
+    seed = draw(st.integers(0, 2**16))
+    return kv_heads, rep, dim, bs, num_blocks, tables, lengths, softcap, window, seed
+
+
+@settings(max_examples=120, deadline=None)
+@given(decode_steps())
+def test_cascade_equals_per_row_reference(step) -> None:
+    kv_heads, rep, dim, bs, num_blocks, tables, lengths, softcap, window, seed = step
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(kv_heads, num_blocks, bs, dim, generator=g)
+    v_cache = torch.randn(kv_heads, num_blocks, bs, dim, generator=g)
+    batch, heads = len(tables), kv_heads * rep
+    q = 2 * torch.randn(batch, heads, dim, generator=g)  # peaky softmax: a wrong key shows
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    t_lengths = torch.tensor(lengths)
+
+    run = common_prefix_blocks(table, t_lengths, bs)
+    assert run == reference_common_prefix(tables, lengths, bs)
+    split = None
+    if run:
+        split = shared_prefix(table, t_lengths, max(lengths), run, bs, num_blocks, kv_heads)
+    rows = DecodeRows(torch.arange(batch), table, head_major(table.view(-1), kv_heads, num_blocks), t_lengths,
+                      max(lengths), split)
+    meta = StepMetadata([k_cache], [v_cache], torch.empty(0, dtype=torch.long), rows, ())
+    with torch.inference_mode():
+        got = _decode(q, k_cache, v_cache, meta, window, None, softcap)
+    scale = dim**-0.5
+    for b in range(batch):
+        want = reference_row(q[b], k_cache, v_cache, tables[b], lengths[b], scale, softcap, window)
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=2e-6, msg=f"row {b}")
+
+
+def test_padding_block_zero_equal_to_a_shared_block_stays_out_of_the_prefix() -> None:
+    # Row 1 is shorter: its padded column holds 0, the same id as row 0's third block.
+    table = torch.tensor([[5, 6, 0, 7], [5, 6, 1, 0]])
+    assert common_prefix_blocks(table, torch.tensor([13, 10]), 4) == 2
+    assert common_prefix_blocks(torch.tensor([[5, 6, 0], [5, 6, 0]]), torch.tensor([12, 9]), 4) == 2
+    assert common_prefix_blocks(torch.tensor([[5, 6, 3]]), torch.tensor([12]), 4) == 0, "one row: nothing to share"
+    assert common_prefix_blocks(torch.tensor([[5, 6], [4, 6]]), torch.tensor([8, 8]), 4) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.sampled_from([None, 3.0]), st.integers(0, 2**16))
+def test_merging_two_partial_softmaxes_equals_one_softmax(n_a: int, n_b: int, softcap, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    q = 3 * torch.randn(2, 5, 8, generator=g)
+    k = torch.randn(2, n_a + n_b, 8, generator=g)
+    v = torch.randn(2, n_a + n_b, 8, generator=g)
+    whole, _ = partial_attention(q, k, v, None, 0.3, softcap)
+    out_a, lse_a = partial_attention(q, k[:, :n_a], v[:, :n_a], None, 0.3, softcap)
+    out_b, lse_b = partial_attention(q, k[:, n_a:], v[:, n_a:], None, 0.3, softcap)
+    torch.testing.assert_close(merge_partials(out_a, lse_a, out_b, lse_b), whole, rtol=1e-5, atol=1e-6)
