@@ -4,9 +4,10 @@ Chat traffic (system prompts, few-shot templates) and ``n > 1`` siblings put the
 blocks at the head of many rows' block tables. Row-by-row attention gathers that prefix once per
 row per layer, and on CPU the gather dominates a decode step. The vLLM v1 / FlashInfer cascade
 splits each row's keys in two: the shared prefix, gathered once per layer and attended by every
-row's queries together (one GEMM per KV head), and the row's own remaining blocks. Each part is
-a partial softmax (output and log-sum-exp) and merging by log-sum-exp is exact: it is the softmax
-over the union of the keys. Softcapping applies per score, so it stays exact per part. The runner
+row's queries together (one GEMM per KV head), and the row's own remaining blocks. Both parts'
+scores share one softmax, whose normaliser is the sum of the parts' exp-sums: the log-sum-exp
+merge of two partial softmaxes in one pass, so the result is exactly the softmax over the union
+of the keys. Softcapping applies per score, so it stays exact. The runner
 decides per step (``common_prefix_blocks``); a layer with a sliding window that could cut into
 the prefix uses the ordinary path.
 """
@@ -19,9 +20,17 @@ import torch
 
 from worker.block_gather import gather_blocks, head_major
 
-# Below this many shared blocks (or 2 rows) the ordinary path is as fast: measured with
-# ``python -m worker.bench.cascade`` (32 rows, 12 heads / 4 KV heads, head_dim 64, 2 threads).
-MIN_SHARED_BLOCKS = 4
+# When cascade pays, measured with ``python -m worker.bench.cascade`` (one layer, 12 heads / 4 KV
+# heads, head_dim 64, 48 own tokens, 2 threads): 2 rows lose even at 768 shared tokens (0.6-0.96x),
+# 4 rows break even at 128 and win 5x at 768, 8 rows win from 16 shared tokens (1.3x; 12x at 768),
+# 32 rows 1.6x at 16 and 4-7x from 128. Rule: >= MIN_ROWS rows and (rows - 1) * shared tokens (the
+# prefix copies a step no longer gathers) >= MIN_SAVED_TOKENS. Tests lower both to exercise it.
+MIN_ROWS = 4
+MIN_SAVED_TOKENS = 256
+
+
+def cascade_pays(rows: int, shared_tokens: int) -> bool:
+    return rows >= MIN_ROWS and (rows - 1) * shared_tokens >= MIN_SAVED_TOKENS
 
 
 @dataclass(frozen=True)
@@ -64,33 +73,6 @@ def shared_prefix(
     )
 
 
-def partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention over the given keys only: (output [..., Q, D], log-sum-exp [..., Q, 1]).
-
-    Float32 throughout (the caller casts back), like SDPA's CPU accumulation. Every query must see
-    at least one key, or its log-sum-exp is -inf and the merge NaN.
-    """
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if softcap:
-        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    peak = scores.amax(dim=-1, keepdim=True)
-    weights = scores.sub_(peak).exp_()  # one exp pass; logsumexp would take a second
-    total = weights.sum(dim=-1, keepdim=True)
-    return torch.matmul(weights, v).div_(total), total.log_().add_(peak)
-
-
-def merge_partials(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """The softmax over keys A and B together from the two partial results (exact)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * (lse_a - lse).exp_() + out_b * (lse_b - lse).exp_()
-
-
 def cascade_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -102,22 +84,29 @@ def cascade_decode(
 ) -> torch.Tensor:
     """q [B, H, D] (one query per row) -> [B, H, D], attending prefix + each row's own blocks.
 
-    GQA: the ``rep`` query heads of a KV head stay together, so K/V are never repeated; the
-    prefix GEMM takes all rows' queries of a KV head as one [B * rep, D] matrix.
+    Scores of the two parts, [KVH, B, rep, P] from one GEMM per KV head over the shared prefix and
+    [KVH, B, rep, S] per row, sit side by side under one softmax; its normaliser is the sum of
+    both parts' exp-sums (the log-sum-exp merge, done in one pass: fewer small ops than two
+    partial softmaxes and a merge, which matters on a busy CPU). GQA: the ``rep`` query heads of a
+    KV head stay together, so K/V are never repeated. Float32 like SDPA's CPU accumulation.
     """
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     rep = heads // kv_heads
-    qf = q.float().view(batch, kv_heads, rep, dim).transpose(0, 1)  # [KVH, B, rep, D]
-    prefix = shared.num_tokens
+    qf = (q.float() * scale).view(batch, kv_heads, rep, dim).transpose(0, 1)  # [KVH, B, rep, D]
+    prefix, own = shared.num_tokens, shared.suffix_len
     kp = gather_blocks(k_cache, shared.head_blocks, workspace, "kp").view(kv_heads, prefix, dim).float()
     vp = gather_blocks(v_cache, shared.head_blocks, workspace, "vp").view(kv_heads, prefix, dim).float()
-    out_p, lse_p = partial_attention(qf.reshape(kv_heads, batch * rep, dim), kp, vp, None, scale, softcap)
-    own = shared.suffix_len
-    ks = gather_blocks(k_cache, shared.suffix_head_blocks, workspace, "k").view(kv_heads, batch, -1, dim)
-    vs = gather_blocks(v_cache, shared.suffix_head_blocks, workspace, "v").view(kv_heads, batch, -1, dim)
-    out_s, lse_s = partial_attention(qf, ks[:, :, :own].float(), vs[:, :, :own].float(), shared.suffix_mask,
-                                     scale, softcap)
-    shape = (kv_heads, batch, rep, dim)
-    out = merge_partials(out_p.view(shape), lse_p.view(*shape[:3], 1), out_s, lse_s)
+    ks = gather_blocks(k_cache, shared.suffix_head_blocks, workspace, "k").view(kv_heads, batch, -1, dim)[:, :, :own]
+    vs = gather_blocks(v_cache, shared.suffix_head_blocks, workspace, "v").view(kv_heads, batch, -1, dim)[:, :, :own]
+    prefix_scores = torch.matmul(qf.reshape(kv_heads, batch * rep, dim), kp.transpose(1, 2))
+    scores = torch.cat(
+        (prefix_scores.view(kv_heads, batch, rep, prefix), torch.matmul(qf, ks.float().transpose(2, 3))), dim=-1
+    )
+    if softcap:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores[..., prefix:].masked_fill_(~shared.suffix_mask, float("-inf"))  # every row sees its own token
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs[..., :prefix].reshape(kv_heads, batch * rep, prefix), vp).view(kv_heads, batch, rep, dim)
+    out += torch.matmul(probs[..., prefix:], vs.float())
     return out.transpose(0, 1).reshape(batch, heads, dim).to(q.dtype)

@@ -26,7 +26,7 @@ from worker.attention import (
     prepared_mask_sentinel,
     register_attention,
 )
-from worker.attention_cascade import MIN_SHARED_BLOCKS, common_prefix_blocks, shared_prefix
+from worker.attention_cascade import cascade_pays, common_prefix_blocks, shared_prefix
 from worker.block_gather import head_major
 from worker.models import LoadedModel
 
@@ -207,14 +207,13 @@ class ModelRunner:
     def _shared_blocks(self, padded: list[int], lengths: list[int], width: int) -> int:
         """Leading blocks shared by every decode row, or 0 where cascade attention would not pay.
 
-        Cascade needs >= 2 rows and >= ``MIN_SHARED_BLOCKS`` blocks. Decided on the host lists,
-        before the step's single host-to-device copy (no device sync).
+        Decided on the host lists, before the step's single host-to-device copy (no device sync).
         """
-        if len(lengths) < 2 or width < MIN_SHARED_BLOCKS:
+        if not cascade_pays(len(lengths), width * self.block_size):
             return 0
         table = torch.tensor(padded, dtype=torch.long).view(len(lengths), width)
         shared = common_prefix_blocks(table, torch.tensor(lengths), self.block_size)
-        return shared if shared >= MIN_SHARED_BLOCKS else 0
+        return shared if shared and cascade_pays(len(lengths), shared * self.block_size) else 0
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order."""

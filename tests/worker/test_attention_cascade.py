@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.attention import DecodeRows, StepMetadata, _decode
-from worker.attention_cascade import common_prefix_blocks, merge_partials, partial_attention, shared_prefix
+from worker.attention_cascade import common_prefix_blocks, shared_prefix
 from worker.block_gather import head_major
 
 
@@ -102,16 +102,3 @@ def test_padding_block_zero_equal_to_a_shared_block_stays_out_of_the_prefix() ->
     assert common_prefix_blocks(torch.tensor([[5, 6, 0], [5, 6, 0]]), torch.tensor([12, 9]), 4) == 2
     assert common_prefix_blocks(torch.tensor([[5, 6, 3]]), torch.tensor([12]), 4) == 0, "one row: nothing to share"
     assert common_prefix_blocks(torch.tensor([[5, 6], [4, 6]]), torch.tensor([8, 8]), 4) == 0
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 40), st.sampled_from([None, 3.0]), st.integers(0, 2**16))
-def test_merging_two_partial_softmaxes_equals_one_softmax(n_a: int, n_b: int, softcap, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    q = 3 * torch.randn(2, 5, 8, generator=g)
-    k = torch.randn(2, n_a + n_b, 8, generator=g)
-    v = torch.randn(2, n_a + n_b, 8, generator=g)
-    whole, _ = partial_attention(q, k, v, None, 0.3, softcap)
-    out_a, lse_a = partial_attention(q, k[:, :n_a], v[:, :n_a], None, 0.3, softcap)
-    out_b, lse_b = partial_attention(q, k[:, n_a:], v[:, n_a:], None, 0.3, softcap)
-    torch.testing.assert_close(merge_partials(out_a, lse_a, out_b, lse_b), whole, rtol=1e-5, atol=1e-6)

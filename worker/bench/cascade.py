@@ -2,8 +2,8 @@
 
 B rows share a prefix of P tokens and own S more each (the 80M peer model's attention shape:
 12 query heads, 4 KV heads, head_dim 64). Both paths run on the same KV pool, interleaved, and
-the median per call is reported; the ratio shows where cascade attention starts to pay (the
-runner's ``MIN_SHARED_BLOCKS``).
+the median per call is reported; the ratio shows where cascade attention starts to pay
+(``worker.attention_cascade.cascade_pays``).
 """
 
 from __future__ import annotations
