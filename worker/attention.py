@@ -4,8 +4,10 @@ A step's tokens (decode rows and prompt chunks of many requests) arrive as ONE `
 sequence. ``paged_kv_attention`` writes every token's key/value into its slot of the block pool
 (``slot = block * block_size + offset``), then attends: all one-token rows together in one call
 (keys gathered through the padded block table, per-row length mask), each multi-token chunk
-over its own blocks with a causal mask offset by the chunk's start. GQA is handled by packing
-the query heads of a KV head together, so keys and values are never repeated.
+over its own blocks with a causal mask offset by the chunk's start. When the rows (or the
+chunks) of a step share leading blocks — a cached system prompt, ``n > 1`` siblings — the
+runner marks the split and ``worker.attention_cascade`` attends that prefix once for all of them.
+GQA is handled by packing the query heads of a KV head together, so K/V are never repeated.
 
 Per-layer sliding windows (Mistral, Gemma 2/3 local layers) are extra mask terms, built once
 per step per window size; attention logit softcapping (Gemma 2) replaces SDPA with an explicit
@@ -30,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from worker.attention_cascade import SharedPrefix, cascade_decode
+from worker.attention_cascade import SharedChunks, SharedPrefix, cascade_chunks, cascade_decode
 from worker.block_gather import gather_blocks
 
 ATTENTION_NAME = "logitpool_paged_kv"
@@ -71,6 +73,7 @@ class StepMetadata:
     chunks: tuple[PromptChunk, ...]
     # Gather buffers, owned by the runner and reused by every layer and step (see gather_blocks).
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared_chunks: SharedChunks | None = None  # all chunks past one shared prefix: cascade attention
     # Masks per sliding window (None = full causal), built by the first layer that needs them.
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _chunk_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
@@ -228,6 +231,11 @@ def paged_kv_attention(
     out = q.new_empty(q.shape)
     if meta.decode is not None:
         out.index_copy_(0, meta.decode.token_index, _decode(q, k_cache, v_cache, meta, window, scaling, softcap))
+    shared = meta.shared_chunks
+    if shared is not None and (window is None or shared.num_tokens + shared.own_len <= window):
+        scale = dim**-0.5 if scaling is None else scaling
+        out.index_copy_(0, shared.tokens, cascade_chunks(q, k_cache, v_cache, shared, meta.workspace, scale, softcap))
+        return out.unsqueeze(0), None
     for i, chunk in enumerate(meta.chunks):
         end = chunk.start_pos + chunk.num_tokens
         stop = chunk.token_start + chunk.num_tokens

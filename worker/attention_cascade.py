@@ -14,6 +14,7 @@ the prefix uses the ordinary path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,90 @@ def shared_prefix(
     )
 
 
+@dataclass(frozen=True)
+class SharedChunks:
+    """Prompt chunks of a step that all start past a shared prefix, padded to one batch.
+
+    C chunks, each padded to ``width`` query tokens (padding repeats a chunk's first token and is
+    dropped); each chunk's own keys are its blocks after the prefix, padded to S tokens.
+    """
+
+    num_tokens: int  # P = shared blocks * block_size, <= every chunk's start
+    head_blocks: torch.Tensor  # head_major(shared block ids)
+    own_head_blocks: torch.Tensor  # head_major(own block tables [C, W_own], padded with block 0)
+    token_index: torch.Tensor  # [C * width]: each padded query's position in the flattened step
+    valid: torch.Tensor  # [N]: which of the C * width padded queries are real, in step order
+    tokens: torch.Tensor  # [N]: their positions in the flattened step
+    own_mask: torch.Tensor  # [1, C, width, 1, S] bool: causal over the chunk's own keys
+    width: int
+    own_len: int  # S
+
+
+def shared_chunks(
+    chunks: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int, num_blocks: int, kv_heads: int,
+    device: torch.device,
+) -> SharedChunks | None:
+    """Chunks (flattened start, tokens, KV start, block table) sharing leading blocks, or None if it doesn't pay."""
+    if not cascade_pays(len(chunks), min(start for _, _, start, _ in chunks)):
+        return None
+    tables = [list(blocks) for *_, blocks in chunks]
+    width_blocks = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width_blocks - len(t)) for t in tables], dtype=torch.long)
+    starts = torch.tensor([start for _, _, start, _ in chunks])
+    shared = common_prefix_blocks(table, starts + 1, block_size)  # the prefix ends at or before every start
+    prefix = shared * block_size
+    if not shared or not cascade_pays(len(chunks), prefix):
+        return None
+    width = max(n for _, n, _, _ in chunks)
+    index = [tok + min(i, n - 1) for tok, n, _, _ in chunks for i in range(width)]
+    valid = [c * width + i for c, (_, n, _, _) in enumerate(chunks) for i in range(n)]
+    tokens = [tok + i for tok, n, _, _ in chunks for i in range(n)]
+    own = table[:, shared:]
+    own_len = max(start + n for _, n, start, _ in chunks) - prefix
+    flat = torch.tensor(index + valid + tokens + own.reshape(-1).tolist() + table[0, :shared].tolist(),
+                        dtype=torch.long).to(device, non_blocking=True)
+    t_index, t_valid, t_tokens, t_own, t_prefix = flat.split([len(index), len(valid), len(tokens), own.numel(), shared])
+    queries = starts.to(device)[:, None] + torch.arange(width, device=device)[None, :]  # [C, width] KV positions
+    keys = prefix + torch.arange(own_len, device=device)
+    mask = keys[None, None, :] <= queries[:, :, None]
+    return SharedChunks(prefix, head_major(t_prefix, kv_heads, num_blocks), head_major(t_own, kv_heads, num_blocks),
+                        t_index, t_valid, t_tokens, mask[None, :, :, None, :], width, own_len)
+
+
+def _two_part_attention(
+    qf: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor,
+    own_mask: torch.Tensor, softcap: float | None,
+) -> torch.Tensor:
+    """qf [KVH, G, R, D] (pre-scaled; G groups of R query rows), prefix kp/vp [KVH, P, D] shared by all
+    groups, own ko/vo [KVH, G, S, D] per group, ``own_mask`` over [KVH, G, R, S] -> [KVH, G, R, D].
+
+    Both parts' scores sit side by side under one softmax, whose normaliser is the sum of the
+    parts' exp-sums: the log-sum-exp merge of two partial softmaxes in one pass (fewer small ops
+    than two partials and a merge, which matters on a busy CPU). The prefix is one GEMM per KV
+    head over every group's queries.
+    """
+    kv_heads, groups, rows, dim = qf.shape
+    prefix = kp.shape[1]
+    prefix_scores = torch.matmul(qf.reshape(kv_heads, groups * rows, dim), kp.transpose(1, 2))
+    scores = torch.cat((prefix_scores.view(kv_heads, groups, rows, prefix), torch.matmul(qf, ko.transpose(2, 3))), -1)
+    if softcap:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores[..., prefix:].masked_fill_(~own_mask, float("-inf"))  # prefix keys: visible to every query
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs[..., :prefix].reshape(kv_heads, groups * rows, prefix), vp)
+    return out.view(kv_heads, groups, rows, dim).add_(torch.matmul(probs[..., prefix:], vo))
+
+
+def _gather_prefix(cache: torch.Tensor, head_blocks: torch.Tensor, prefix: int, ws: dict, name: str) -> torch.Tensor:
+    return gather_blocks(cache, head_blocks, ws, name).view(cache.shape[0], prefix, cache.shape[-1]).float()
+
+
+def _gather_own(cache: torch.Tensor, head_blocks: torch.Tensor, groups: int, own: int, ws: dict, name: str
+                ) -> torch.Tensor:
+    kv_heads, dim = cache.shape[0], cache.shape[-1]
+    return gather_blocks(cache, head_blocks, ws, name).view(kv_heads, groups, -1, dim)[:, :, :own].float()
+
+
 def cascade_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -82,31 +167,56 @@ def cascade_decode(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """q [B, H, D] (one query per row) -> [B, H, D], attending prefix + each row's own blocks.
+    """q [B, H, D] (one query per row) -> [B, H, D]: each row is a group of its ``rep`` query heads.
 
-    Scores of the two parts, [KVH, B, rep, P] from one GEMM per KV head over the shared prefix and
-    [KVH, B, rep, S] per row, sit side by side under one softmax; its normaliser is the sum of
-    both parts' exp-sums (the log-sum-exp merge, done in one pass: fewer small ops than two
-    partial softmaxes and a merge, which matters on a busy CPU). GQA: the ``rep`` query heads of a
-    KV head stay together, so K/V are never repeated. Float32 like SDPA's CPU accumulation.
+    GQA: the query heads of a KV head stay together, so K/V are never repeated. Float32 like
+    SDPA's CPU accumulation.
     """
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
-    rep = heads // kv_heads
-    qf = (q.float() * scale).view(batch, kv_heads, rep, dim).transpose(0, 1)  # [KVH, B, rep, D]
-    prefix, own = shared.num_tokens, shared.suffix_len
-    kp = gather_blocks(k_cache, shared.head_blocks, workspace, "kp").view(kv_heads, prefix, dim).float()
-    vp = gather_blocks(v_cache, shared.head_blocks, workspace, "vp").view(kv_heads, prefix, dim).float()
-    ks = gather_blocks(k_cache, shared.suffix_head_blocks, workspace, "k").view(kv_heads, batch, -1, dim)[:, :, :own]
-    vs = gather_blocks(v_cache, shared.suffix_head_blocks, workspace, "v").view(kv_heads, batch, -1, dim)[:, :, :own]
-    prefix_scores = torch.matmul(qf.reshape(kv_heads, batch * rep, dim), kp.transpose(1, 2))
-    scores = torch.cat(
-        (prefix_scores.view(kv_heads, batch, rep, prefix), torch.matmul(qf, ks.float().transpose(2, 3))), dim=-1
+    qf = (q.float() * scale).view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [KVH, B, rep, D]
+    p, own = shared.num_tokens, shared.suffix_len
+    out = _two_part_attention(
+        qf,
+        _gather_prefix(k_cache, shared.head_blocks, p, workspace, "kp"),
+        _gather_prefix(v_cache, shared.head_blocks, p, workspace, "vp"),
+        _gather_own(k_cache, shared.suffix_head_blocks, batch, own, workspace, "k"),
+        _gather_own(v_cache, shared.suffix_head_blocks, batch, own, workspace, "v"),
+        shared.suffix_mask,
+        softcap,
     )
-    if softcap:
-        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-    scores[..., prefix:].masked_fill_(~shared.suffix_mask, float("-inf"))  # every row sees its own token
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs[..., :prefix].reshape(kv_heads, batch * rep, prefix), vp).view(kv_heads, batch, rep, dim)
-    out += torch.matmul(probs[..., prefix:], vs.float())
     return out.transpose(0, 1).reshape(batch, heads, dim).to(q.dtype)
+
+
+def cascade_chunks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    shared: SharedChunks,
+    workspace: dict[str, torch.Tensor],
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [T, H, D] (the whole step) -> [N, H, D] for the chunks' tokens, in ``shared.tokens`` order.
+
+    Each chunk is a group of its padded queries x ``rep`` query heads; its own keys are causal.
+    """
+    heads, dim = q.shape[1:]
+    kv_heads = k_cache.shape[0]
+    rep = heads // kv_heads
+    chunks, width = shared.own_mask.shape[1], shared.width
+    padded = q.index_select(0, shared.token_index).float().mul_(scale)  # [C * width, H, D]
+    qf = padded.view(chunks, width, kv_heads, rep, dim).permute(2, 0, 1, 3, 4).reshape(kv_heads, chunks, -1, dim)
+    mask = shared.own_mask.expand(-1, -1, -1, rep, -1).reshape(1, chunks, width * rep, -1)
+    p, own = shared.num_tokens, shared.own_len
+    out = _two_part_attention(
+        qf,
+        _gather_prefix(k_cache, shared.head_blocks, p, workspace, "kp"),
+        _gather_prefix(v_cache, shared.head_blocks, p, workspace, "vp"),
+        _gather_own(k_cache, shared.own_head_blocks, chunks, own, workspace, "k"),
+        _gather_own(v_cache, shared.own_head_blocks, chunks, own, workspace, "v"),
+        mask,
+        softcap,
+    )
+    out = out.view(kv_heads, chunks, width, rep, dim).permute(1, 2, 0, 3, 4).reshape(chunks * width, heads, dim)
+    return out.index_select(0, shared.valid).to(q.dtype)

@@ -13,7 +13,7 @@ chunks alike — into one ``[1, T]`` sequence with explicit position ids and run
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
+from itertools import accumulate, chain
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from worker.attention import (
     prepared_mask_sentinel,
     register_attention,
 )
-from worker.attention_cascade import cascade_pays, common_prefix_blocks, shared_prefix
+from worker.attention_cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
 from worker.block_gather import head_major
 from worker.models import LoadedModel
 
@@ -121,6 +121,7 @@ class ModelRunner:
         self._no_mask = prepared_mask_sentinel(loaded.device)
         self._workspace: dict[str, torch.Tensor] = {}
         self.num_cascade_steps = 0  # steps whose decode rows attended a shared prefix once (cascade)
+        self.num_cascade_chunk_steps = 0  # ... whose prompt chunks did
 
     @property
     def capacity_tokens(self) -> int:
@@ -201,7 +202,14 @@ class ModelRunner:
             blocks = t_chunk_blocks[offset : offset + used]
             chunks.append(PromptChunk(tok, n, start, blocks, head_major(blocks, kvh, nb)))
             offset += used
-        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace)
+        cascade_chunks = None
+        if len(chunk_args) > 1:
+            offsets = [0, *accumulate(used for *_, used in chunk_args)]
+            tables = [chunk_blocks[a:b] for a, b in zip(offsets, offsets[1:])]
+            spans = [(tok, n, start, table) for (tok, n, start, _), table in zip(chunk_args, tables)]
+            cascade_chunks = shared_chunks(spans, self.block_size, nb, kvh, self._device)
+            self.num_cascade_chunk_steps += cascade_chunks is not None
+        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace, cascade_chunks)
         return t_ids, t_pos, t_keep, meta
 
     def _shared_blocks(self, padded: list[int], lengths: list[int], width: int) -> int:

@@ -9,13 +9,16 @@ shuffled pool, rows of different lengths padded with block 0 (which may itself b
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.attention import DecodeRows, StepMetadata, _decode
-from worker.attention_cascade import common_prefix_blocks, shared_prefix
+from worker import attention_cascade
+from worker.attention import DecodeRows, PromptChunk, StepMetadata, _decode, paged_kv_attention
+from worker.attention_cascade import common_prefix_blocks, shared_chunks, shared_prefix
 from worker.block_gather import head_major
 
 
@@ -102,3 +105,64 @@ def test_padding_block_zero_equal_to_a_shared_block_stays_out_of_the_prefix() ->
     assert common_prefix_blocks(torch.tensor([[5, 6, 0], [5, 6, 0]]), torch.tensor([12, 9]), 4) == 2
     assert common_prefix_blocks(torch.tensor([[5, 6, 3]]), torch.tensor([12]), 4) == 0, "one row: nothing to share"
     assert common_prefix_blocks(torch.tensor([[5, 6], [4, 6]]), torch.tensor([8, 8]), 4) == 0
+
+
+@st.composite
+def chunk_steps(draw):
+    kv_heads = draw(st.sampled_from([1, 2]))
+    rep = draw(st.sampled_from([1, 3]))
+    dim = draw(st.sampled_from([4, 8]))
+    bs = draw(st.sampled_from([2, 4]))
+    shared = draw(st.integers(1, 4))
+    count = draw(st.integers(2, 4))
+    before = draw(st.lists(st.integers(0, 2 * bs), min_size=count, max_size=count))  # own tokens already cached
+    sizes = draw(st.lists(st.integers(2, 2 * bs + 1), min_size=count, max_size=count))
+    own_blocks = [-(-(b + n) // bs) for b, n in zip(before, sizes)]
+    num_blocks = shared + sum(own_blocks) + 1
+    ids = list(draw(st.permutations(range(num_blocks))))
+    prefix, rest = ids[:shared], ids[shared:]
+    tables = []
+    for n in own_blocks:
+        tables.append(prefix + rest[:n])
+        rest = rest[n:]
+    softcap = draw(st.sampled_from([None, 1.5]))
+    window = draw(st.sampled_from([None, 3, 1000]))
+    return kv_heads, rep, dim, bs, num_blocks, shared, tables, [shared * bs + b for b in before], sizes, softcap, window
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunk_steps(), st.integers(0, 2**16))
+def test_prompt_chunks_past_a_shared_prefix_equal_the_reference(step, seed) -> None:
+    """Several prompt chunks after one cached prefix (prefix hits): cascade and per-chunk paths both exact."""
+    kv_heads, rep, dim, bs, num_blocks, shared, tables, starts, sizes, softcap, window = step
+    g = torch.Generator().manual_seed(seed)
+    heads, total = kv_heads * rep, sum(sizes)
+    k_cache = torch.randn(kv_heads, num_blocks, bs, dim, generator=g)
+    v_cache = torch.randn(kv_heads, num_blocks, bs, dim, generator=g)
+    query = 2 * torch.randn(1, heads, total, dim, generator=g)
+    key, value = torch.randn(1, kv_heads, total, dim, generator=g), torch.randn(1, kv_heads, total, dim, generator=g)
+    token_starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    slots = [t[p // bs] * bs + p % bs for t, s, n in zip(tables, starts, sizes) for p in range(s, s + n)]
+    chunks, spans = [], []
+    for tok, n, start, table in zip(token_starts, sizes, starts, tables):
+        used = torch.tensor(table[: -(-(start + n) // bs)])
+        chunks.append(PromptChunk(tok, n, start, used, head_major(used, kv_heads, num_blocks)))
+        spans.append((tok, n, start, used.tolist()))
+    with pytest.MonkeyPatch.context() as mp:  # cascade for any shared prefix, not only where it pays
+        mp.setattr(attention_cascade, "MIN_ROWS", 2)
+        mp.setattr(attention_cascade, "MIN_SAVED_TOKENS", 1)
+        split = shared_chunks(spans, bs, num_blocks, kv_heads, torch.device("cpu"))
+    assert split is not None and split.num_tokens == shared * bs
+    outs = []
+    for cascade in (split, None):
+        meta = StepMetadata([k_cache], [v_cache], torch.tensor(slots), None, tuple(chunks), {}, cascade)
+        with torch.inference_mode():
+            out, _ = paged_kv_attention(SimpleNamespace(layer_idx=0), query, key, value, None,
+                                        logitpool_step=meta, sliding_window=window, softcap=softcap)
+        outs.append(out[0])
+    scale = dim**-0.5
+    for tok, n, start, table in zip(token_starts, sizes, starts, tables):
+        for i in range(n):
+            want = reference_row(query[0, :, tok + i], k_cache, v_cache, table, start + i + 1, scale, softcap, window)
+            for name, out in zip(("cascade", "per chunk"), outs):
+                torch.testing.assert_close(out[tok + i].double(), want, rtol=1e-5, atol=2e-6, msg=f"{name} {tok + i}")
