@@ -125,37 +125,38 @@ def shared_chunks(
 
 
 def _two_part_attention(
-    qf: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor,
-    own_mask: torch.Tensor, softcap: float | None,
+    qf: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix: tuple[torch.Tensor, int],
+    own: tuple[torch.Tensor, int],
+    own_mask: torch.Tensor,
+    softcap: float | None,
+    ws: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    """qf [KVH, G, R, D] (pre-scaled; G groups of R query rows), prefix kp/vp [KVH, P, D] shared by all
-    groups, own ko/vo [KVH, G, S, D] per group, ``own_mask`` over [KVH, G, R, S] -> [KVH, G, R, D].
+    """qf [KVH, G, R, D] (pre-scaled; G groups of R query rows) -> [KVH, G, R, D].
 
-    Both parts' scores sit side by side under one softmax, whose normaliser is the sum of the
-    parts' exp-sums: the log-sum-exp merge of two partial softmaxes in one pass (fewer small ops
-    than two partials and a merge, which matters on a busy CPU). The prefix is one GEMM per KV
-    head over every group's queries.
+    ``prefix`` = (head-major block rows, P): keys every group sees; ``own`` = (head-major block
+    rows of all G groups, S): each group's own keys, ``own_mask`` over [KVH, G, R, S]. Both parts'
+    scores sit side by side under one softmax, whose normaliser is the sum of the parts'
+    exp-sums: the log-sum-exp merge of two partial softmaxes in one pass (fewer small ops than
+    two partials and a merge, which matters on a busy CPU). The prefix is one GEMM per KV head
+    over every group's queries. Float32 like SDPA's CPU accumulation.
     """
     kv_heads, groups, rows, dim = qf.shape
-    prefix = kp.shape[1]
+    (prefix_rows, p), (own_rows, s) = prefix, own
+    kp = gather_blocks(k_cache, prefix_rows, ws, "kp").view(kv_heads, p, dim).float()
+    vp = gather_blocks(v_cache, prefix_rows, ws, "vp").view(kv_heads, p, dim).float()
+    ko = gather_blocks(k_cache, own_rows, ws, "k").view(kv_heads, groups, -1, dim)[:, :, :s].float()
+    vo = gather_blocks(v_cache, own_rows, ws, "v").view(kv_heads, groups, -1, dim)[:, :, :s].float()
     prefix_scores = torch.matmul(qf.reshape(kv_heads, groups * rows, dim), kp.transpose(1, 2))
-    scores = torch.cat((prefix_scores.view(kv_heads, groups, rows, prefix), torch.matmul(qf, ko.transpose(2, 3))), -1)
+    scores = torch.cat((prefix_scores.view(kv_heads, groups, rows, p), torch.matmul(qf, ko.transpose(2, 3))), -1)
     if softcap:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-    scores[..., prefix:].masked_fill_(~own_mask, float("-inf"))  # prefix keys: visible to every query
+    scores[..., p:].masked_fill_(~own_mask, float("-inf"))  # prefix keys: visible to every query
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs[..., :prefix].reshape(kv_heads, groups * rows, prefix), vp)
-    return out.view(kv_heads, groups, rows, dim).add_(torch.matmul(probs[..., prefix:], vo))
-
-
-def _gather_prefix(cache: torch.Tensor, head_blocks: torch.Tensor, prefix: int, ws: dict, name: str) -> torch.Tensor:
-    return gather_blocks(cache, head_blocks, ws, name).view(cache.shape[0], prefix, cache.shape[-1]).float()
-
-
-def _gather_own(cache: torch.Tensor, head_blocks: torch.Tensor, groups: int, own: int, ws: dict, name: str
-                ) -> torch.Tensor:
-    kv_heads, dim = cache.shape[0], cache.shape[-1]
-    return gather_blocks(cache, head_blocks, ws, name).view(kv_heads, groups, -1, dim)[:, :, :own].float()
+    out = torch.matmul(probs[..., :p].reshape(kv_heads, groups * rows, p), vp)
+    return out.view(kv_heads, groups, rows, dim).add_(torch.matmul(probs[..., p:], vo))
 
 
 def cascade_decode(
@@ -169,22 +170,13 @@ def cascade_decode(
 ) -> torch.Tensor:
     """q [B, H, D] (one query per row) -> [B, H, D]: each row is a group of its ``rep`` query heads.
 
-    GQA: the query heads of a KV head stay together, so K/V are never repeated. Float32 like
-    SDPA's CPU accumulation.
+    GQA: the query heads of a KV head stay together, so K/V are never repeated.
     """
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     qf = (q.float() * scale).view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [KVH, B, rep, D]
-    p, own = shared.num_tokens, shared.suffix_len
-    out = _two_part_attention(
-        qf,
-        _gather_prefix(k_cache, shared.head_blocks, p, workspace, "kp"),
-        _gather_prefix(v_cache, shared.head_blocks, p, workspace, "vp"),
-        _gather_own(k_cache, shared.suffix_head_blocks, batch, own, workspace, "k"),
-        _gather_own(v_cache, shared.suffix_head_blocks, batch, own, workspace, "v"),
-        shared.suffix_mask,
-        softcap,
-    )
+    out = _two_part_attention(qf, k_cache, v_cache, (shared.head_blocks, shared.num_tokens),
+                              (shared.suffix_head_blocks, shared.suffix_len), shared.suffix_mask, softcap, workspace)
     return out.transpose(0, 1).reshape(batch, heads, dim).to(q.dtype)
 
 
@@ -208,15 +200,7 @@ def cascade_chunks(
     padded = q.index_select(0, shared.token_index).float().mul_(scale)  # [C * width, H, D]
     qf = padded.view(chunks, width, kv_heads, rep, dim).permute(2, 0, 1, 3, 4).reshape(kv_heads, chunks, -1, dim)
     mask = shared.own_mask.expand(-1, -1, -1, rep, -1).reshape(1, chunks, width * rep, -1)
-    p, own = shared.num_tokens, shared.own_len
-    out = _two_part_attention(
-        qf,
-        _gather_prefix(k_cache, shared.head_blocks, p, workspace, "kp"),
-        _gather_prefix(v_cache, shared.head_blocks, p, workspace, "vp"),
-        _gather_own(k_cache, shared.own_head_blocks, chunks, own, workspace, "k"),
-        _gather_own(v_cache, shared.own_head_blocks, chunks, own, workspace, "v"),
-        mask,
-        softcap,
-    )
+    out = _two_part_attention(qf, k_cache, v_cache, (shared.head_blocks, shared.num_tokens),
+                              (shared.own_head_blocks, shared.own_len), mask, softcap, workspace)
     out = out.view(kv_heads, chunks, width, rep, dim).permute(1, 2, 0, 3, 4).reshape(chunks * width, heads, dim)
     return out.index_select(0, shared.valid).to(q.dtype)
