@@ -7,14 +7,15 @@ scheduled sequence brings its block table (``worker.kv`` does the bookkeeping), 
 swapping rows of the persistent batch copies no KV, and blocks shared by a cached prefix are
 simply listed in several tables. Each step flattens all scheduled tokens — decode rows and prompt
 chunks alike — into one ``[1, T]`` sequence with explicit position ids and runs the model once;
-``worker.attention`` does the rest.
+``worker.attention`` does the rest. Where the step's decode rows (or prompt chunks) share leading
+blocks and it pays, the metadata marks the split for cascade attention (``worker.attention_cascade``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate, chain
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -158,8 +159,7 @@ class ModelRunner:
         dec_index: list[int] = []
         dec_lens: list[int] = []
         dec_tables: list[Sequence[int]] = []
-        chunk_blocks: list[int] = []
-        chunk_args: list[tuple[int, int, int, int]] = []
+        chunk_args: list[tuple[int, int, int, Sequence[int]]] = []  # (flattened start, tokens, KV start, blocks)
         for s in seqs:
             n, start = len(s.token_ids), len(ids)
             end = s.start_pos + n
@@ -175,11 +175,11 @@ class ModelRunner:
                 dec_lens.append(end)
                 dec_tables.append(table[:used])
             else:
-                chunk_args.append((start, n, s.start_pos, used))
-                chunk_blocks.extend(table[:used])
+                chunk_args.append((start, n, s.start_pos, table[:used]))
         width = max(map(len, dec_tables), default=0)
         padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
         shared = self._shared_blocks(padded, dec_lens, width)
+        chunk_blocks = [b for *_, blocks in chunk_args for b in blocks]
         lists = (ids, pos, slots, keep, dec_index, dec_lens, padded, chunk_blocks)
         flat = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
         flat = flat.to(self._device, non_blocking=True)
@@ -198,16 +198,13 @@ class ModelRunner:
             decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens), cascade)
         chunks: list[PromptChunk] = []
         offset = 0
-        for tok, n, start, used in chunk_args:
-            blocks = t_chunk_blocks[offset : offset + used]
+        for tok, n, start, table_ids in chunk_args:
+            blocks = t_chunk_blocks[offset : offset + len(table_ids)]
             chunks.append(PromptChunk(tok, n, start, blocks, head_major(blocks, kvh, nb)))
-            offset += used
+            offset += len(table_ids)
         cascade_chunks = None
         if len(chunk_args) > 1:
-            offsets = [0, *accumulate(used for *_, used in chunk_args)]
-            tables = [chunk_blocks[a:b] for a, b in zip(offsets, offsets[1:])]
-            spans = [(tok, n, start, table) for (tok, n, start, _), table in zip(chunk_args, tables)]
-            cascade_chunks = shared_chunks(spans, self.block_size, nb, kvh, self._device)
+            cascade_chunks = shared_chunks(chunk_args, self.block_size, nb, kvh, self._device)
             self.num_cascade_chunk_steps += cascade_chunks is not None
         meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace, cascade_chunks)
         return t_ids, t_pos, t_keep, meta

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
             runs[name].append(run_tree(trees[name], spec, args.timeout))
-            print(f"round {r + 1} {name}: " + ", ".join(f"N={n} {v['tok_s']:.0f} tok/s" for n, v in runs[name][-1].items()),
-                  flush=True)
+            rates = ", ".join(f"N={n} {v['tok_s']:.0f} tok/s" for n, v in runs[name][-1].items())
+            print(f"round {r + 1} {name}: {rates}", flush=True)
     print(f"\n{args.model_size} model, prompt {args.prompt}, {args.new} new, greedy, {args.threads} threads; "
           f"{args.rounds} alternating rounds\n")
     print("| N | new tok/s (rounds) | old tok/s (rounds) | new / old (median of rounds) | same tokens |")

