@@ -4,8 +4,10 @@ A step's tokens (decode rows and prompt chunks of many requests) arrive as ONE `
 sequence. ``paged_kv_attention`` writes every token's key/value into its slot of the block pool
 (``slot = block * block_size + offset``), then attends: all one-token rows together in one call
 (keys gathered through the padded block table, per-row length mask), each multi-token chunk
-over its own blocks with a causal mask offset by the chunk's start. GQA is handled by packing
-the query heads of a KV head together, so keys and values are never repeated.
+over its own blocks with a causal mask offset by the chunk's start. When the rows (or the
+chunks) of a step share leading blocks — a cached system prompt, ``n > 1`` siblings — the
+runner marks the split and ``worker.attention_cascade`` attends that prefix once for all of them.
+GQA is handled by packing the query heads of a KV head together, so K/V are never repeated.
 
 Per-layer sliding windows (Mistral, Gemma 2/3 local layers) are extra mask terms, built once
 per step per window size; attention logit softcapping (Gemma 2) replaces SDPA with an explicit
@@ -30,6 +32,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from worker.attention_cascade import SharedChunks, SharedPrefix, cascade_chunks, cascade_decode
+from worker.block_gather import gather_blocks
+
 ATTENTION_NAME = "logitpool_paged_kv"
 METADATA_KWARG = "logitpool_step"
 
@@ -43,6 +48,7 @@ class DecodeRows:
     head_blocks: torch.Tensor  # [KVH * B * max_blocks] int64: ``head_major(block_table)``
     lengths: torch.Tensor  # [B] int64: tokens in the row's context, its new token included
     max_len: int  # longest row context (KV positions read), <= max_blocks * block_size
+    shared: SharedPrefix | None = None  # leading blocks common to all rows: cascade attention
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,9 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each flattened token
     decode: DecodeRows | None
     chunks: tuple[PromptChunk, ...]
-    # Gather buffers, owned by the runner and reused by every layer and step (see _gather).
+    # Gather buffers, owned by the runner and reused by every layer and step (see gather_blocks).
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared_chunks: SharedChunks | None = None  # all chunks past one shared prefix: cascade attention
     # Masks per sliding window (None = full causal), built by the first layer that needs them.
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _chunk_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
@@ -153,34 +160,40 @@ def _packed_attention(
     return out.reshape(batch, heads, q_len, dim)
 
 
-def _gather(
-    cache: torch.Tensor, head_blocks: torch.Tensor, workspace: dict[str, torch.Tensor], name: str
-) -> torch.Tensor:
-    """[KVH, num_blocks, bs, D] -> [KVH * n, bs * D]: n listed blocks of every head, head-major.
-
-    ``head_blocks`` indexes the cache viewed as [KVH * num_blocks] rows (see ``head_major``): one
-    2D dim-0 index_select, which copies whole rows (3x faster on CPU than a 3D or dim-1 select),
-    into a reused buffer (a fresh multi-MB tensor per layer costs its page faults every time).
-    """
-    kv_heads, num_blocks, block_size, dim = cache.shape
-    rows = head_blocks.shape[0]
-    buf = workspace.get(name)
-    if buf is None or buf.shape[0] < rows:
-        buf = workspace[name] = cache.new_empty((max(rows, 2 * (0 if buf is None else buf.shape[0])), block_size * dim))
-    out = buf[:rows]
-    torch.index_select(cache.view(kv_heads * num_blocks, block_size * dim), 0, head_blocks, out=out)
-    return out
-
-
-def head_major(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
-    """Block ids [n] -> row ids [KVH * n] of the cache viewed as [KVH * num_blocks, ...]."""
-    heads = torch.arange(kv_heads, device=blocks.device)[:, None] * num_blocks
-    return (heads + blocks[None, :]).view(-1)
-
-
 def _window(kwargs: dict) -> int | None:
     window = kwargs.get("sliding_window")
     return int(window) if window else None
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: StepMetadata,
+    window: int | None,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """All one-token rows of the step: q [T, H, D] -> [B, H, D] in ``token_index`` order.
+
+    Cascade when the rows share leading blocks and no window of this layer cuts into them;
+    else every row's context is gathered (head-major blocks: each (row, head) becomes one
+    contiguous [L, D] matrix, as SDPA likes it) and attended in one packed call.
+    """
+    rows = meta.decode
+    assert rows is not None
+    row_q = q.index_select(0, rows.token_index)  # [B, H, D]
+    kv_heads, _, _, dim = k_cache.shape
+    if rows.shared is not None and (window is None or rows.max_len <= window):
+        scale = dim**-0.5 if scaling is None else scaling
+        return cascade_decode(row_q, k_cache, v_cache, rows.shared, meta.workspace, scale, softcap)
+    batch, ws = rows.block_table.shape[0], meta.workspace
+    keys = gather_blocks(k_cache, rows.head_blocks, ws, "k").view(kv_heads, batch, -1, dim)[:, :, : rows.max_len]
+    values = gather_blocks(v_cache, rows.head_blocks, ws, "v").view(kv_heads, batch, -1, dim)[:, :, : rows.max_len]
+    attended = _packed_attention(
+        row_q.unsqueeze(2), keys.transpose(0, 1), values.transpose(0, 1), meta.decode_mask(window), scaling, softcap
+    )
+    return attended.squeeze(2)
 
 
 def paged_kv_attention(
@@ -215,26 +228,20 @@ def paged_kv_attention(
     v_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, value[0])
 
     q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     if meta.decode is not None:
-        rows = meta.decode
-        batch = rows.block_table.shape[0]
-        # [B, blocks, bs, KVH, D] -> [B, KVH, L, D] (a strided view: SDPA reads it as is)
-        # Head-major blocks: the gather copies whole [block_size, D] pieces, and each (row, head)
-        # of the result is one contiguous [L, D] matrix, as SDPA likes it.
-        ws = meta.workspace
-        keys = _gather(k_cache, rows.head_blocks, ws, "k").view(kv_heads, batch, -1, dim)[:, :, : rows.max_len]
-        values = _gather(v_cache, rows.head_blocks, ws, "v").view(kv_heads, batch, -1, dim)[:, :, : rows.max_len]
-        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
-        row_q = q.index_select(0, rows.token_index).unsqueeze(2)  # [B, H, 1, D]
-        attended = _packed_attention(row_q, keys, values, meta.decode_mask(window), scaling, softcap)
-        out[rows.token_index] = attended.squeeze(2)
+        out.index_copy_(0, meta.decode.token_index, _decode(q, k_cache, v_cache, meta, window, scaling, softcap))
+    shared = meta.shared_chunks
+    if shared is not None and (window is None or shared.num_tokens + shared.own_len <= window):
+        scale = dim**-0.5 if scaling is None else scaling
+        out.index_copy_(0, shared.tokens, cascade_chunks(q, k_cache, v_cache, shared, meta.workspace, scale, softcap))
+        return out.unsqueeze(0), None
     for i, chunk in enumerate(meta.chunks):
         end = chunk.start_pos + chunk.num_tokens
         stop = chunk.token_start + chunk.num_tokens
         chunk_q = q[chunk.token_start : stop].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        keys = _gather(k_cache, chunk.head_blocks, meta.workspace, "k").view(1, kv_heads, -1, dim)[:, :, :end]
-        values = _gather(v_cache, chunk.head_blocks, meta.workspace, "v").view(1, kv_heads, -1, dim)[:, :, :end]
+        keys = gather_blocks(k_cache, chunk.head_blocks, meta.workspace, "k").view(1, kv_heads, -1, dim)[:, :, :end]
+        values = gather_blocks(v_cache, chunk.head_blocks, meta.workspace, "v").view(1, kv_heads, -1, dim)[:, :, :end]
         attended = _packed_attention(chunk_q, keys, values, meta.chunk_mask(i, window)[None, None], scaling, softcap)
         out[chunk.token_start : stop] = attended[0].transpose(0, 1)
     return out.unsqueeze(0), None

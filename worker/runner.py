@@ -7,13 +7,15 @@ scheduled sequence brings its block table (``worker.kv`` does the bookkeeping), 
 swapping rows of the persistent batch copies no KV, and blocks shared by a cached prefix are
 simply listed in several tables. Each step flattens all scheduled tokens — decode rows and prompt
 chunks alike — into one ``[1, T]`` sequence with explicit position ids and runs the model once;
-``worker.attention`` does the rest.
+``worker.attention`` does the rest. Where the step's decode rows (or prompt chunks) share leading
+blocks and it pays, the metadata marks the split for cascade attention (``worker.attention_cascade``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -22,10 +24,11 @@ from worker.attention import (
     DecodeRows,
     PromptChunk,
     StepMetadata,
-    head_major,
     prepared_mask_sentinel,
     register_attention,
 )
+from worker.attention_cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
+from worker.block_gather import head_major
 from worker.models import LoadedModel
 
 DEFAULT_BLOCK_SIZE = 16
@@ -120,6 +123,8 @@ class ModelRunner:
         self._model.set_attn_implementation(register_attention())
         self._no_mask = prepared_mask_sentinel(loaded.device)
         self._workspace: dict[str, torch.Tensor] = {}
+        self.num_cascade_steps = 0  # steps whose decode rows attended a shared prefix once (cascade)
+        self.num_cascade_chunk_steps = 0  # ... whose prompt chunks did
 
     @property
     def capacity_tokens(self) -> int:
@@ -157,8 +162,7 @@ class ModelRunner:
         dec_index: list[int] = []
         dec_lens: list[int] = []
         dec_tables: list[Sequence[int]] = []
-        chunk_blocks: list[int] = []
-        chunk_args: list[tuple[int, int, int, int]] = []
+        chunk_args: list[tuple[int, int, int, Sequence[int]]] = []  # (flattened start, tokens, KV start, blocks)
         for s in seqs:
             n, start = len(s.token_ids), len(ids)
             end = s.start_pos + n
@@ -175,30 +179,51 @@ class ModelRunner:
                 dec_lens.append(end)
                 dec_tables.append(table[:used])
             else:
-                chunk_args.append((start, n, s.start_pos, used))
-                chunk_blocks.extend(table[:used])
+                chunk_args.append((start, n, s.start_pos, table[:used]))
         keep += extra
         width = max(map(len, dec_tables), default=0)
         padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
-        total = len(ids)
-        flat = torch.tensor(ids + pos + slots + keep + dec_index + dec_lens + padded + chunk_blocks, dtype=torch.long)
+        shared = self._shared_blocks(padded, dec_lens, width)
+        chunk_blocks = [b for *_, blocks in chunk_args for b in blocks]
+        lists = (ids, pos, slots, keep, dec_index, dec_lens, padded, chunk_blocks)
+        flat = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
         flat = flat.to(self._device, non_blocking=True)
-        sizes = [total, total, total, len(keep), len(dec_index), len(dec_index), len(padded), len(chunk_blocks)]
-        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_table, t_chunk_blocks = flat.split(sizes)
+        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_table, t_chunk_blocks = flat.split(
+            [len(part) for part in lists]
+        )
 
         kvh, nb = self._k[0].shape[0], self.num_blocks
         decode = None
         if dec_index:
             table = t_table.view(len(dec_index), width)
-            decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens))
+            cascade = None
+            if shared:
+                self.num_cascade_steps += 1
+                cascade = shared_prefix(table, t_dec_lens, max(dec_lens), shared, self.block_size, nb, kvh)
+            decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens), cascade)
         chunks: list[PromptChunk] = []
         offset = 0
-        for tok, n, start, used in chunk_args:
-            blocks = t_chunk_blocks[offset : offset + used]
+        for tok, n, start, table_ids in chunk_args:
+            blocks = t_chunk_blocks[offset : offset + len(table_ids)]
             chunks.append(PromptChunk(tok, n, start, blocks, head_major(blocks, kvh, nb)))
-            offset += used
-        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace)
+            offset += len(table_ids)
+        cascade_chunks = None
+        if len(chunk_args) > 1:
+            cascade_chunks = shared_chunks(chunk_args, self.block_size, nb, kvh, self._device)
+            self.num_cascade_chunk_steps += cascade_chunks is not None
+        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace, cascade_chunks)
         return t_ids, t_pos, t_keep, meta
+
+    def _shared_blocks(self, padded: list[int], lengths: list[int], width: int) -> int:
+        """Leading blocks shared by every decode row, or 0 where cascade attention would not pay.
+
+        Decided on the host lists, before the step's single host-to-device copy (no device sync).
+        """
+        if not cascade_pays(len(lengths), width * self.block_size):
+            return 0
+        table = torch.tensor(padded, dtype=torch.long).view(len(lengths), width)
+        shared = common_prefix_blocks(table, torch.tensor(lengths), self.block_size)
+        return shared if shared and cascade_pays(len(lengths), shared * self.block_size) else 0
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order,

@@ -16,6 +16,7 @@ import torch
 
 from tests.worker.test_engine import hf_greedy
 from tests.worker.test_paged_engine import _engine, _run
+from worker import attention_cascade
 from worker.models import LoadedModel, load_model
 from worker.sampling_params import SamplingParams
 
@@ -62,7 +63,10 @@ def _build(name: str, tmp_path, tokenizer) -> LoadedModel:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_greedy_equals_generate(family: str, tmp_path, tiny_model: LoadedModel) -> None:
+def test_family_greedy_equals_generate(family: str, tmp_path, tiny_model: LoadedModel, monkeypatch) -> None:
+    # Cascade attention on for any shared prefix (not only where it pays), so every family runs it.
+    monkeypatch.setattr(attention_cascade, "MIN_ROWS", 2)
+    monkeypatch.setattr(attention_cascade, "MIN_SAVED_TOKENS", 1)
     loaded = _build(family, tmp_path, tiny_model.tokenizer)
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(10, 2900, (24,), generator=g).tolist()
@@ -73,6 +77,7 @@ def test_family_greedy_equals_generate(family: str, tmp_path, tiny_model: Loaded
     done = _run(engine, reqs, stagger=1)
     stats = engine.kv_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
+    assert engine.runner.num_cascade_steps > 0, "decode rows sharing the prefix must take the cascade path"
     # The oracle: the same checkpoint loaded separately with transformers' eager attention.
     from transformers import AutoModelForCausalLM
 

