@@ -38,8 +38,10 @@ from worker.sampling_params import SamplingParams
 
 # How many received request ids a replica remembers (for operators and tests).
 _SEEN_IDS = 10_000
-# Streams per stream interval a replica sends before it stretches the interval (see _interval).
-_STREAMS_PER_INTERVAL = 16
+# Streams per stream interval a replica sends before it stretches the interval (see _interval):
+# every message costs CPU in this process, the ingress and the proxy, taken from the engine's
+# step on a small box (README, "Served path vs vLLM's server").
+_STREAMS_PER_INTERVAL = 4
 # Test-only hooks (kill the engine loop) exist only when this is set in the replica's environment.
 DEBUG_ENV = "LOGITPOOL_DEBUG_HOOKS"
 # A replica whose engine loop died exits this long after noticing (time for the failed requests'
