@@ -14,22 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.worker.test_engine import prompts_of
-from worker.config import EngineConfig
+from tests.worker.test_paged_engine import _engine
 from worker.engine import LLMEngine
 from worker.llm import LLM
 from worker.outputs import OutputAccumulator, PositionLogprobs, RequestOutput
-from worker.runner import ScheduledSeq, block_bytes
+from worker.runner import ScheduledSeq
 from worker.sampling_params import SamplingParams
 
 ATOL = 1e-4
-
-
-def _engine(loaded, *, blocks: int | None = None, block_size: int = 8, **kw) -> LLMEngine:
-    kv = None if blocks is None else blocks * block_bytes(loaded, block_size)
-    kw.setdefault("max_num_seqs", 8)
-    kw.setdefault("max_num_batched_tokens", 64)
-    cfg = EngineConfig(load_entry_points=False, block_size=block_size, kv_cache_bytes=kv, **kw)
-    return LLMEngine(cfg, loaded=loaded)
 
 
 def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], stagger: int = 0) -> dict[str, RequestOutput]:
