@@ -117,7 +117,7 @@ _sampling = st.fixed_dictionaries({}, optional={
     "logit_bias": st.dictionaries(st.integers(0, 100), st.floats(-100, 100, width=32), max_size=3),
     "extra_args": st.dictionaries(st.text(min_size=1, max_size=5), st.integers(-5, 5) | st.text(max_size=5),
                                   max_size=3),
-})
+}).filter(lambda d: d.get("min_tokens", 0) <= d.get("max_tokens", SamplingParams().max_tokens))  # a valid request
 
 
 @settings(max_examples=80, deadline=None)
