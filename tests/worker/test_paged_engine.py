@@ -8,6 +8,8 @@ and later re-added with its live output list).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from worker.engine import LLMEngine
 from worker.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
-from worker.outputs import OutputAccumulator
+from worker.outputs import OutputAccumulator, RequestOutput
 from worker.runner import block_bytes
 from worker.sampling_params import SamplingParams
 
@@ -30,10 +32,19 @@ def _engine(loaded, *, blocks: int | None = None, block_size: int = 8, **kw) -> 
     return LLMEngine(cfg, loaded=loaded)
 
 
-def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], stagger: int = 0) -> dict[str, object]:
-    """Add the requests (every ``stagger`` steps one, or all at once), step to the end; outputs by id."""
+def _run(
+    engine: LLMEngine,
+    requests: list[tuple[list[int], SamplingParams]],
+    stagger: int = 0,
+    check_delta: Callable[[RequestOutput, bool], None] | None = None,
+) -> dict[str, RequestOutput]:
+    """Add the requests (every ``stagger`` steps one, or all at once), step to the end; outputs by id.
+
+    ``check_delta(delta, first)`` sees every delta, and whether it is its request's first.
+    """
     accs: dict[str, OutputAccumulator] = {}
-    done: dict[str, object] = {}
+    done: dict[str, RequestOutput] = {}
+    seen: set[str] = set()
     pending = list(enumerate(requests))
     steps = 0
     while pending or engine.has_unfinished():
@@ -43,6 +54,9 @@ def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], st
             if stagger:
                 break
         for delta in engine.step():
+            if check_delta is not None:
+                check_delta(delta, delta.request_id not in seen)
+            seen.add(delta.request_id)
             out = accs[delta.request_id].add(delta)
             if out.finished:
                 done[delta.request_id] = out

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from tests.worker.test_engine import prompts_of
 from tests.worker.test_paged_engine import _engine
+from tests.worker.test_paged_engine import _run as run_paged
 from worker.engine import LLMEngine
 from worker.llm import LLM
-from worker.outputs import OutputAccumulator, PositionLogprobs, RequestOutput
+from worker.outputs import PositionLogprobs, RequestOutput
 from worker.runner import ScheduledSeq
 from worker.sampling_params import SamplingParams
 
@@ -26,29 +27,15 @@ ATOL = 1e-4
 
 def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], stagger: int = 0) -> dict[str, RequestOutput]:
     """Step every request to its end; each first delta must carry its prompt logprobs (if asked)."""
-    accs: dict[str, OutputAccumulator] = {}
-    done: dict[str, RequestOutput] = {}
     asked = {f"r{i}": p.prompt_logprobs is not None for i, (_, p) in enumerate(requests)}
-    pending = list(enumerate(requests))
-    steps = 0
-    while pending or engine.has_unfinished():
-        while pending and (not stagger or steps % stagger == 0):
-            i, (prompt, params) = pending.pop(0)
-            accs[engine.add_request(f"r{i}", prompt, params)] = OutputAccumulator()
-            if stagger:
-                break
-        for delta in engine.step():
-            first = delta.request_id not in done and accs[delta.request_id]._out is None
-            if first:
-                assert (delta.prompt_logprobs is not None) == asked[delta.request_id], delta.request_id
-            else:
-                assert delta.prompt_logprobs is None, "prompt logprobs are sent once"
-            out = accs[delta.request_id].add(delta)
-            if out.finished:
-                done[delta.request_id] = out
-        steps += 1
-        assert steps < 3000, "no progress"
-    return done
+
+    def check(delta: RequestOutput, first: bool) -> None:
+        if first:
+            assert (delta.prompt_logprobs is not None) == asked[delta.request_id], delta.request_id
+        else:
+            assert delta.prompt_logprobs is None, "prompt logprobs are sent once"
+
+    return run_paged(engine, requests, stagger, check)
 
 
 def _reference_rows(loaded, prompt: list[int]) -> torch.Tensor:
