@@ -202,7 +202,13 @@ class StructuredCompiler:
     # -- compiling -----------------------------------------------------------------------
 
     def compile(self, so: StructuredOutputsParams) -> CompiledConstraint:
-        """The compiled constraint (cached); ValueError naming the field when invalid or too slow."""
+        """The compiled constraint (cached); ValueError naming the field when invalid or too slow.
+
+        Lock discipline: the lock guards only the cache and the pending table and is never held
+        while anything else runs (no submit, no future callback, no compile). An earlier version
+        registered ``add_done_callback`` under the lock; a compile that had already finished ran
+        its callback at once in this thread, which then waited forever for its own lock.
+        """
         key = (so.kind, so.spec)
         with self._lock:
             hit = self._cache.get(key)
@@ -212,10 +218,14 @@ class StructuredCompiler:
                 return hit
             self.misses += 1
             fut = self._pending.get(key)
+            owner = fut is None
             if fut is None:
-                fut = self._pool.submit(self._compile_now, *key)
-                self._pending[key] = fut
-                fut.add_done_callback(lambda f, key=key: self._done(key, f))
+                fut = self._pending[key] = Future()
+        if owner:
+            try:
+                self._pool.submit(self._run, key, fut)
+            except BaseException as exc:  # the pool is shut down: fail this compile, not the next
+                self._finish(key, fut, None, exc)
         try:
             return fut.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -226,14 +236,34 @@ class StructuredCompiler:
         except Exception as exc:
             raise ValueError(f"{so.field_name}: invalid {_WHAT[so.kind]}: {_library_message(exc)}") from None
 
-    def _done(self, key: tuple[str, str], fut: Future[CompiledConstraint]) -> None:
+    def _run(self, key: tuple[str, str], fut: Future[CompiledConstraint]) -> None:
+        """Pool thread: compile, publish to the cache, then resolve the waiters (outside the lock)."""
+        try:
+            compiled = self._compile_now(*key)
+        except BaseException as exc:
+            self._finish(key, fut, None, exc)
+        else:
+            self._finish(key, fut, compiled, None)
+
+    def _finish(
+        self,
+        key: tuple[str, str],
+        fut: Future[CompiledConstraint],
+        compiled: CompiledConstraint | None,
+        exc: BaseException | None,
+    ) -> None:
         with self._lock:
-            self._pending.pop(key, None)
-            if fut.exception() is None:
-                self._cache[key] = fut.result()
+            if self._pending.get(key) is fut:
+                del self._pending[key]
+            if compiled is not None:
+                self._cache[key] = compiled
                 self._cache.move_to_end(key)
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
+        if compiled is not None:
+            fut.set_result(compiled)
+        else:
+            fut.set_exception(exc if exc is not None else RuntimeError("compile failed"))
 
     def _compile_now(self, kind: str, spec: str) -> CompiledConstraint:
         c = self._xgr
