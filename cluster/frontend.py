@@ -42,7 +42,7 @@ REPLICA_RETRIES = 5
 REPLICA_RETRY_BACKOFF_S = 0.2
 
 # Every worker replica's engine stats (cluster.pool_stats snapshots); [] when none is known.
-PoolReader = Callable[[], Awaitable[list[dict[str, Any]]]]
+PoolReader = Callable[[], Awaitable[list[pool_stats.PoolSnapshot]]]
 
 
 class Frontend:
@@ -163,7 +163,7 @@ class Frontend:
         if 400 <= status.http < 500:
             self.metrics.reject(protocol, status.http)
 
-    async def pool(self) -> list[dict[str, Any]]:
+    async def pool(self) -> list[pool_stats.PoolSnapshot]:
         """Fresh engine stats of every worker replica."""
         return await self._pool()
 

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster import limits as request_limits
+from cluster import pool_stats
 from cluster.errors import classify, error_body
 from cluster.frontend import Frontend
 from cluster.http_wire import StrictJSONResponse, is_json, sse, status_response
@@ -251,7 +252,7 @@ class HttpAdapter:
     async def health(self) -> Response:
         """200 only while some worker replica's engine loop is alive and stepping (its heartbeat)."""
         pool = await self.frontend.pool()
-        alive = sum(1 for s in pool if s.get("alive"))
+        alive = pool_stats.num_alive(pool)
         if alive:
             return JSONResponse({"status": "ok", "workers_alive": alive, "workers": len(pool)})
         return JSONResponse({"status": "unavailable", "workers_alive": 0, "workers": len(pool)}, status_code=503)

@@ -5,19 +5,60 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster.pool_stats import PoolSnapshot
+
+# (header, how one snapshot fills the cell); counts are integers, rates percentages.
+_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("replica", lambda s: s.replica_id or "?"),
+    ("alive", lambda s: "yes" if s.alive else "NO"),
+    ("running", lambda s: str(s.num_running)),
+    ("waiting", lambda s: str(s.num_waiting)),
+    ("kv used", lambda s: _count(s.kv.get("blocks_used"))),
+    ("kv free", lambda s: _count(s.kv.get("blocks_free"))),
+    ("kv total", lambda s: _count(s.kv.get("blocks_total"))),
+    ("prefix hits", lambda s: _percent(s.kv.get("prefix_hit_rate"))),
+    ("kv memory", lambda s: _bytes(s.kv_cache_bytes)),
+)
+
 
 def _value(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
-def _kv(snap: dict[str, Any]) -> str:
-    stats = {**(snap.get("kv") or {})}
-    if snap.get("kv_cache_bytes"):
-        stats["bytes"] = snap["kv_cache_bytes"]
-    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(stats.items())) or "-"
+def _count(x: float | None) -> str:
+    return "-" if x is None else f"{int(x):,}"
 
 
-def status_lines(app: str, st: Any | None, snaps: list[dict[str, Any]]) -> list[str]:
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _bytes(n: int) -> str:
+    if not n:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    x, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB"):
+        x /= 1024
+        if x < 1024:
+            break
+    return f"{x:.1f} {unit}"
+
+
+def table(snaps: list[PoolSnapshot]) -> list[str]:
+    """One aligned row per worker replica (sorted by id); text left-aligned, numbers right."""
+    rows = [[fill(s) for _, fill in _COLUMNS] for s in sorted(snaps, key=lambda s: s.replica_id)]
+    heads = [h for h, _ in _COLUMNS]
+    widths = [max(len(r[i]) for r in [heads, *rows]) for i in range(len(heads))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(heads), *(line(r) for r in rows)]
+
+
+def status_lines(app: str, st: Any | None, snaps: list[PoolSnapshot]) -> list[str]:
     """`st`: Serve's ApplicationStatusOverview (None: not deployed); `snaps`: pool_stats.collect."""
     if st is None:
         return [f"application {app}: not deployed"]
@@ -29,8 +70,5 @@ def status_lines(app: str, st: Any | None, snaps: list[dict[str, Any]]) -> list[
             lines.append(f"    {' '.join(d.message.split())}")
     lines.append(f"worker replicas reporting: {len(snaps)}")
     if snaps:
-        lines.append(f"  {'replica':<24} {'alive':<5} {'running':>7} {'waiting':>7}  kv")
-        for s in sorted(snaps, key=lambda s: s.get("replica_id", "")):
-            lines.append(f"  {s.get('replica_id', '?'):<24} {'yes' if s.get('alive') else 'NO':<5} "
-                         f"{s.get('num_running', 0):>7} {s.get('num_waiting', 0):>7}  {_kv(s)}")
+        lines.extend("  " + row for row in table(snaps))
     return lines

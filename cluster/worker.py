@@ -140,7 +140,7 @@ class LogitpoolWorker:
             "processors": [p.fqcn for p in self.engine.engine.processors.describe()],
         }
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> pool_stats.PoolSnapshot:
         """This replica's engine stats (pool_stats.snapshot of AsyncEngine.stats())."""
         return pool_stats.snapshot(self.engine.stats(), kv_cache_bytes=self.engine.engine.runner.kv_cache_bytes)
 

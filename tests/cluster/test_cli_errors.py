@@ -14,6 +14,7 @@ from cluster.cli import banner, main
 from cluster.cli_errors import CliError
 from cluster.config import LogitpoolConfig
 from cluster.deploy_wait import cause
+from cluster.pool_stats import PoolSnapshot
 from cluster.status_view import status_lines
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,14 +82,24 @@ def test_status_lines_show_pending_replicas_and_engine_load():
                              message="Deployment has 1 replicas that have taken more than 30s to be scheduled.")
     ingress = SimpleNamespace(status="HEALTHY", replica_states={"RUNNING": 1}, message="")
     st = SimpleNamespace(status="DEPLOYING", deployments={"LogitpoolWorker": worker, "LogitpoolIngress": ingress})
-    snaps = [{"replica_id": "b", "alive": True, "num_running": 3, "num_waiting": 1, "kv": {"usage": 0.25}},
-             {"replica_id": "a", "alive": False, "num_running": 0, "num_waiting": 0, "kv": {}}]
+    kv = {"blocks_used": 8192.0, "blocks_free": 8191.0, "blocks_total": 16383.0, "prefix_hit_rate": 0.25}
+    snaps = [PoolSnapshot(replica_id="b", alive=True, heartbeat_age_s=0.1, num_running=3, num_waiting=1, kv=kv,
+                          kv_cache_bytes=3 << 30),
+             PoolSnapshot(replica_id="a", alive=False, heartbeat_age_s=70.0, num_running=0, num_waiting=0)]
     lines = status_lines("logitpool", st, snaps)
     assert lines[0] == "application logitpool: DEPLOYING"
     assert "  LogitpoolWorker: UPDATING  replicas: RUNNING=2 STARTING=1" in lines
     assert any("to be scheduled" in line for line in lines)
-    rows = [line.split() for line in lines if line.startswith("  a ") or line.startswith("  b ")]
-    assert rows == [["a", "NO", "0", "0", "-"], ["b", "yes", "3", "1", "usage=0.25"]]
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("replica"))
+    assert [h.strip() for h in lines[head].split("  ") if h.strip()] == [
+        "replica", "alive", "running", "waiting", "kv used", "kv free", "kv total", "prefix hits", "kv memory"]
+    rows = [line.split() for line in lines[head + 1:]]
+    # Integers print as integers (no 8.19e+03), rows sorted by replica, every column aligned.
+    assert rows == [["a", "NO", "0", "0", "-", "-", "-", "-", "-"],
+                    ["b", "yes", "3", "1", "8,192", "8,191", "16,383", "25.0%", "3.0", "GiB"]]
+    # Aligned: every numeric column ends at the same offset in the header and in each row.
+    assert lines[head].index("running") + len("running") == lines[head + 2].index(" 3 ") + 2
+    assert "e+" not in "\n".join(lines)
     assert status_lines("x", None, []) == ["application x: not deployed"]
 
 

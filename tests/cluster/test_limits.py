@@ -3,6 +3,7 @@ JSON out, and the lenient gRPC deserializer. The live HTTP/gRPC repros are in te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -198,9 +199,15 @@ def test_pool_snapshots_are_json_whatever_the_engine_reports():
 
     stats = EngineStats(alive=True, heartbeat_age_s=0.1, num_running=2, num_waiting=1, finished={"stop": 3},
                         restarts=1, kv={"blocks_used": torch.tensor(7), "hit_rate": float("nan"), "name": "x"})
-    snap = json.loads(json.dumps(pool_stats.snapshot(stats, kv_cache_bytes=1024), allow_nan=False))
-    assert snap["kv"] == {"blocks_used": 7.0} and snap["finished"] == {"stop": 3} and snap["kv_cache_bytes"] == 1024
-    assert pool_stats.any_alive([snap]) and not pool_stats.any_alive([{**snap, "alive": False}])
+    snap = pool_stats.snapshot(stats, kv_cache_bytes=1024)
+    wire = json.loads(snap.to_json())  # allow_nan=False inside: strict JSON or an error
+    assert wire["kv"] == {"blocks_used": 7.0} and wire["finished"] == {"stop": 3} and wire["kv_cache_bytes"] == 1024
+    back = pool_stats.PoolSnapshot.from_json(snap.to_json(), replica_id="r1")
+    assert back == dataclasses.replace(snap, replica_id="r1")
+    assert pool_stats.any_alive([snap]) and not pool_stats.any_alive([dataclasses.replace(snap, alive=False)])
+    for bad in ("[]", '{"alive": true}', "not json"):  # a malformed entry is an error the reader skips
+        with pytest.raises((TypeError, ValueError)):
+            pool_stats.PoolSnapshot.from_json(bad)
 
 
 def test_metrics_sum_the_pool_and_keep_per_replica_kv():
@@ -208,11 +215,13 @@ def test_metrics_sum_the_pool_and_keep_per_replica_kv():
 
     from cluster.metrics import Metrics
 
+    from cluster.pool_stats import PoolSnapshot
+
     pool = [
-        {"replica_id": "a", "alive": True, "num_running": 2, "num_waiting": 1, "finished": {"stop": 3, "error": 1},
-         "restarts": 1, "kv": {"blocks_used": 5.0}, "kv_cache_bytes": 100, "heartbeat_age_s": 0.2},
-        {"replica_id": "b", "alive": False, "num_running": 1, "num_waiting": 0, "finished": {"stop": 4, "abort": 2},
-         "restarts": 0, "kv": {}, "kv_cache_bytes": 50, "heartbeat_age_s": 70.0},
+        PoolSnapshot(replica_id="a", alive=True, num_running=2, num_waiting=1, finished={"stop": 3, "error": 1},
+                     restarts=1, kv={"blocks_used": 5.0}, kv_cache_bytes=100, heartbeat_age_s=0.2),
+        PoolSnapshot(replica_id="b", alive=False, num_running=1, num_waiting=0, finished={"stop": 4, "abort": 2},
+                     restarts=0, kv={}, kv_cache_bytes=50, heartbeat_age_s=70.0),
     ]
     m = Metrics()
     m.reject("http", 413)
