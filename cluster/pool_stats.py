@@ -106,7 +106,11 @@ async def publish(app: str, replica_id: str, snap: PoolSnapshot) -> None:
 
 
 def _read_all(app: str) -> list[PoolSnapshot]:
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
+    from ray.experimental.internal_kv import (
+        _internal_kv_del,
+        _internal_kv_get,
+        _internal_kv_list,
+    )
 
     out = []
     for key in _internal_kv_list(_prefix(app), namespace=_NAMESPACE):
