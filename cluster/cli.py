@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from cluster.cli_errors import EXIT_ERROR, CliError, one_line
+from cluster.cli_errors import EXIT_BROKEN_PIPE, EXIT_ERROR, CliError, one_line
 from cluster.launch import deploy, healthy, start_serve, wait_ready
 
 
@@ -234,6 +234,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI; a reader that closes the pipe (``logitpool generate ... | head``) ends it quietly,
+    with 128 + SIGPIPE as every Unix tool does."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Python flushes stdout at exit; point it at /dev/null so that flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="logitpool")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="print the traceback of a failure")
@@ -263,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             return {"serve": cmd_serve, "status": cmd_status, "scale": cmd_scale, "generate": cmd_generate}[args.cmd](args)
         except KeyboardInterrupt:
             return 130
+        except BrokenPipeError:
+            raise
         except Exception as exc:  # noqa: BLE001 - every failure is the operator's one line
             if args.debug:
                 traceback.print_exc()

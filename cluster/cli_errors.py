@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 EXIT_ERROR = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool whose reader went away exits with
 
 
 class CliError(Exception):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,22 @@ def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monke
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in wide and wide["RAY_AUTH_MODE"] == "token"
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # honoured (the test suite's own clusters), warned about
     assert "RAY_AUTH_MODE" not in local_cluster_env(cfg, tmp_path)
+
+
+def test_generate_into_a_closed_pipe_ends_quietly():
+    """`logitpool generate ... | head -c 3`: the reader leaves early; no traceback, no error line."""
+    from tests.client.fake_server import FakeLogitPool, serve
+
+    with serve(FakeLogitPool(delay=0.02)) as running:
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", "generate", "hi", "--target", running.target, "--max-tokens", "400"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        assert cli.stdout is not None and cli.stderr is not None
+        first = cli.stdout.read(3)  # like `head -c 3`, then the reader is gone
+        cli.stdout.close()
+        err = cli.stderr.read().decode()
+        rc = cli.wait(timeout=120)
+    assert first
+    assert err == "", err
+    assert rc == 141  # 128 + SIGPIPE, as a Unix tool whose reader went away
