@@ -95,6 +95,7 @@ class LogitpoolWorker:
         self._num_requests = 0
         self._publisher: asyncio.Task[None] | None = None
         self._leaving = False
+        self._leaving_task: asyncio.Task[None] | None = None
 
     async def generate(
         self, request_id: str, prompt: list[int] | str, params: SamplingParams
@@ -167,7 +168,18 @@ class LogitpoolWorker:
         if self.engine.dead is not None and not self._leaving:
             self._leaving = True
             logger.error("engine loop died (%r); this replica exits in %.1fs", self.engine.dead, EXIT_DELAY_S)
-            asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
+            self._leaving_task = asyncio.create_task(self._leave())
+
+    async def _leave(self) -> None:
+        """Publish the dead state first (so /health turns 503 at this heartbeat, not when the
+        entry goes stale), then exit; the publish is bounded by the KV store's timeout."""
+        ctx = serve.get_replica_context()
+        try:
+            await pool_stats.publish(ctx.app_name, ctx.replica_id.unique_id, self.stats())
+        except Exception as exc:  # noqa: BLE001 - exiting matters more than the last snapshot
+            logger.warning("publishing the dead state failed: %r", exc)
+        await asyncio.sleep(EXIT_DELAY_S)
+        os._exit(1)
 
     def debug_kill_engine(self) -> float:
         """Test-only: make the engine loop die as a real step failure would; returns the time.
