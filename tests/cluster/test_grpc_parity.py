@@ -236,3 +236,58 @@ def test_rejected_calls_are_one_log_line_not_a_traceback(app, channel):
     lines = [line for line in text.splitlines() if "gRPC call rejected" in line]
     assert len(lines) >= 4, text[-3000:]
     assert "Traceback" not in text and "ERROR" not in "\n".join(lines), text[-3000:]
+
+
+# -- Serve's own failures never reach a client as a traceback -----------------------------------
+
+
+def test_serve_details_of_more_than_one_line_never_reach_the_client():
+    """Serve's real proxy server class with our servicer functions, on a real port; the factory
+    stands in for Serve's routing and fails each call the way Serve does for a gone replica
+    (INTERNAL, str() of the error: a traceback with pid and actor id)."""
+    import asyncio
+
+    from ray.serve._private.grpc_util import gRPCGenericServer
+
+    from cluster.grpc_servicers import add_HealthServicer_to_server
+
+    traceback = "ray::ServeReplica (pid=123, actor_id=abc)\nTraceback (most recent call last):\n  File \"x.py\""
+
+    def factory(service_method: str, streaming_type: Any) -> Any:
+        async def unary(request: Any, context: Any) -> bytes:
+            assert request.raw == b"\x0a\x01x"  # unparsed bytes (the service name "x")
+            context.set_code(grpc.StatusCode.INTERNAL)
+            context.set_details(traceback if service_method.endswith("Check") else "one line: kept")
+            return b""
+
+        async def stream(request: Any, context: Any) -> Any:
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(traceback)
+            return
+            yield b""
+
+        return stream if service_method.endswith("Watch") else unary
+
+    async def run() -> list[tuple[grpc.StatusCode, str]]:
+        server = gRPCGenericServer(factory)
+        add_HealthServicer_to_server(health_pb2_grpc.HealthServicer(), server)  # Serve passes a stand-in too
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        out = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                for method in ("Check", "List"):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await ch.unary_unary(f"/grpc.health.v1.Health/{method}")(b"\x0a\x01x", timeout=30)
+                    out.append((err.value.code(), err.value.details()))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    [m async for m in ch.unary_stream("/grpc.health.v1.Health/Watch")(b"\x0a\x01x", timeout=30)]
+                out.append((err.value.code(), err.value.details()))
+        finally:
+            await server.stop(0)
+        return out
+
+    (check, listed, watch) = asyncio.run(run())
+    assert check == (grpc.StatusCode.INTERNAL, "internal: the server failed this call (details are in its log)")
+    assert listed == (grpc.StatusCode.INTERNAL, "one line: kept")
+    assert watch[0] == grpc.StatusCode.UNAVAILABLE and "pid" not in watch[1] and "\n" not in watch[1]
