@@ -98,8 +98,9 @@ def _command_name() -> str:
 
 def banner(cfg: Any, host: str, keys: bool, session_path: Path | None = None, status: bool = True) -> list[str]:
     http = f"http://{host}:{cfg.server.http_port}"
-    auth = f' -H "Authorization: Bearer ${cfg.api_key_env}"' if keys else ""
-    key_flag = f' --api-key "${cfg.api_key_env}"' if keys else ""
+    first_key = f"${{{cfg.api_key_env}%%,*}}"  # the variable may hold several keys: the first one
+    auth = f' -H "Authorization: Bearer {first_key}"' if keys else ""
+    key_flag = f' --api-key "{first_key}"' if keys else ""
     session = f" --session {shlex.quote(str(session_path))}" if session_path is not None else ""
     lines = [
         f"logitpool is serving {cfg.engine.model} as model {cfg.served_name!r}",
@@ -205,6 +206,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _first_env_key() -> str | None:
+    """The first of the comma-separated keys in LOGITPOOL_API_KEY (what the server accepts)."""
+    from cluster.config import LogitpoolConfig
+
+    keys = LogitpoolConfig().resolve_api_keys(os.environ)
+    return keys[0] if keys else None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from client import Client
 
@@ -221,7 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from client.errors import LogitpoolError
 
     try:
-        with Client(args.target, api_key=args.api_key or os.environ.get("LOGITPOOL_API_KEY"), timeout=args.timeout) as c:
+        with Client(args.target, api_key=args.api_key or _first_env_key(), timeout=args.timeout) as c:
             finish = None
             for chunk in c.stream(args.prompt, **sampling):
                 sys.stdout.write(chunk.text)

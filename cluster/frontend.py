@@ -45,6 +45,13 @@ REPLICA_RETRY_BACKOFF_S = 0.2
 PoolReader = Callable[[], Awaitable[list[pool_stats.PoolSnapshot]]]
 
 
+def check_prompts(prompts: list[str | list[int]]) -> None:
+    """At least one prompt, none empty (text or token ids), before anything is tokenized: a
+    tokenizer that adds a BOS token would otherwise make an empty prompt valid on one path."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompt: must not be empty")
+
+
 class Frontend:
     """One per ingress replica; `worker` is the worker deployment's handle (a DeploymentHandle,
     real or from Serve's local testing mode), `pool` reads the worker replicas' stats."""
@@ -82,10 +89,14 @@ class Frontend:
             raise ModelNotFound(model)
 
     def check_request(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Limits, then validate and tokenize; raises ValueError naming the field (both protocols)."""
+        """Limits, then validate and tokenize, then max_tokens against the context; raises
+        ValueError naming the field (both protocols)."""
+        check_prompts(prompts)
         request_limits.check_request(self.limits, params, len(prompts))
         self.validator.validate(params)
-        return [self.validator.tokenize(p) for p in prompts]
+        ids = [self.validator.tokenize(p) for p in prompts]
+        fit_to_context(params, max(map(len, ids)), self.max_model_len)
+        return ids
 
     async def prepare(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
         """check_request, in a thread when a grammar may need compiling (time-bounded, not instant)."""
@@ -94,9 +105,8 @@ class Frontend:
         return await asyncio.to_thread(self.check_request, params, prompts)
 
     async def prepare_chat(self, params: SamplingParams, messages: list[ChatMessage]) -> list[int]:
-        """The chat template rendered and checked like a prompt; max_tokens fitted to the context."""
+        """The chat template rendered and checked like a prompt."""
         (ids,) = await self.prepare(params, [render_chat(self.tokenizer, messages)])
-        fit_to_context(params, len(ids), self.max_model_len)
         return ids
 
     # -- dispatch and streaming ------------------------------------------------------------

@@ -1,26 +1,34 @@
 """The gRPC side of the front end: protobuf in and out around a `Frontend` (the ingress's
 gRPC methods, which Serve's native gRPC proxy maps /Service/Method to, delegate here).
 
-Status codes are set on ``grpc_context`` and the exception re-raised: Serve then ends the call
-with that code (returning normally after set_code would end a stream with OK, truncated).
+Requests arrive as `WireRequest`s (unparsed bytes, cluster.grpc_servicers): the API key and the
+size are checked before the message is parsed. Status codes are set on ``grpc_context`` and a
+`GrpcRejected` raised: Serve then ends the call with that code (returning normally after
+set_code would end a stream with OK, truncated) and logs it as one line.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import TypeVar
+
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 from ray.serve.grpc_util import RayServegRPCContext
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
-from cluster.errors import classify
+from cluster.errors import ResponseTooLarge, classify
 from cluster.frontend import Frontend
 from cluster.grpc_convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
-from cluster.grpc_servicers import MalformedRequest
+from cluster.grpc_servicers import GrpcRejected, WireRequest, install_rejection_logging, one_line
 from cluster.limits import PayloadTooLarge
 from worker.outputs import OutputAccumulator
 from worker.sampling_params import SamplingParams
+
+M = TypeVar("M", bound=Message)
+Request = WireRequest | M
 
 
 def _authorization(ctx: RayServegRPCContext) -> str | None:
@@ -31,7 +39,7 @@ def _authorization(ctx: RayServegRPCContext) -> str | None:
 
 
 # Services the standard health check answers for ("" is the server as a whole).
-HEALTH_SERVICES = frozenset({"", pb.DESCRIPTOR.services_by_name["LogitPool"].full_name})
+HEALTH_SERVICES = ("", pb.DESCRIPTOR.services_by_name["LogitPool"].full_name)
 
 
 def _engine_id(request_id: str) -> str:
@@ -39,42 +47,68 @@ def _engine_id(request_id: str) -> str:
     return f"{request_id}-{uuid.uuid4().hex[:12]}"
 
 
+def reject(ctx: RayServegRPCContext, code: grpc.StatusCode, details: str) -> GrpcRejected:
+    """Set the call's status; raise the result so that Serve ends the call with it."""
+    details = one_line(details)
+    ctx.set_code(code)
+    ctx.set_details(details)
+    return GrpcRejected(code, details)
+
+
 class GrpcAdapter:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        install_rejection_logging()
 
-    def _fail(self, ctx: RayServegRPCContext, exc: BaseException) -> BaseException:
+    def _fail(self, ctx: RayServegRPCContext, exc: BaseException) -> GrpcRejected:
+        if isinstance(exc, GrpcRejected):
+            return exc
         status = classify(exc)
         self.frontend.count_error(status, "grpc")
-        ctx.set_code(status.grpc)
-        ctx.set_details(status.message)
-        return exc
+        return reject(ctx, status.grpc, status.message)
 
-    async def _prepare(
-        self, request: pb.GenerateRequest, ctx: RayServegRPCContext
-    ) -> tuple[str, list[int], SamplingParams]:
-        self.frontend.authorize(_authorization(ctx))
-        if isinstance(request, MalformedRequest):
-            raise request.error()
-        size, limit = request.ByteSize(), self.frontend.limits.max_body_bytes
+    def _message(self, request: Request[M], cls: type[M]) -> M:
+        """The parsed request, after its size is checked (a parsed one: Serve's local testing mode)."""
+        if not isinstance(request, WireRequest):
+            return request
+        size, limit = len(request.raw), self.frontend.limits.max_body_bytes
         if size > limit:
             raise PayloadTooLarge(f"request: {size} bytes exceeds limits.max_body_bytes ({limit})")
-        params = sampling_params_from_pb(request.params)
-        (ids,) = await self.frontend.prepare(params, [prompt_from_pb(request)])
-        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        return request.parse(cls)
+
+    def _fits(self, msg: M) -> M:
+        """A response message within what Serve's proxy sends (limits.max_grpc_message_bytes)."""
+        size, limit = msg.ByteSize(), self.frontend.limits.grpc_message_bytes
+        if size > limit:
+            raise ResponseTooLarge(
+                f"response: {size} bytes exceeds limits.max_grpc_message_bytes ({limit}); "
+                "use GenerateStream or ask for fewer logprobs")
+        return msg
+
+    async def _prepare(
+        self, request: Request[pb.GenerateRequest], ctx: RayServegRPCContext
+    ) -> tuple[str, list[int], SamplingParams]:
+        """The HTTP side's order: key, size, parse, model, then the request itself."""
+        self.frontend.authorize(_authorization(ctx))
+        msg = self._message(request, pb.GenerateRequest)
+        self.frontend.check_model(msg.model if msg.HasField("model") else None)
+        params = sampling_params_from_pb(msg.params)
+        (ids,) = await self.frontend.prepare(params, [prompt_from_pb(msg)])
+        rid = msg.request_id if msg.HasField("request_id") else uuid.uuid4().hex
         return rid, ids, params
 
-    async def generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
+    async def generate(self, request: Request[pb.GenerateRequest], grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
         try:
             rid, ids, params = await self._prepare(request, grpc_context)
             out = await self.frontend.run(_engine_id(rid), ids, params)
+            response = self._fits(response_pb(rid, out, self.frontend.decode_token))
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc", [out])
-        return response_pb(rid, out, self.frontend.decode_token)
+        return response
 
     async def generate_stream(
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
+        self, request: Request[pb.GenerateRequest], grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             rid, ids, params = await self._prepare(request, grpc_context)
@@ -86,29 +120,57 @@ class GrpcAdapter:
                 total = acc.add(delta)
                 if delta.finished:
                     total.prompt_token_ids = ids  # deltas arrive without the prompt
-                yield delta_pb(rid, delta, self.frontend.decode_token, usage=total if delta.finished else None,
-                               prompt_token_ids=ids)
+                yield self._fits(delta_pb(rid, delta, self.frontend.decode_token,
+                                          usage=total if delta.finished else None, prompt_token_ids=ids))
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc")
 
-    async def list_processors(self, request: pb.ListProcessorsRequest, grpc_context: RayServegRPCContext) -> pb.ListProcessorsResponse:
+    async def list_processors(
+        self, request: Request[pb.ListProcessorsRequest], grpc_context: RayServegRPCContext
+    ) -> pb.ListProcessorsResponse:
         try:
             self.frontend.authorize(_authorization(grpc_context))
-            if isinstance(request, MalformedRequest):
-                raise request.error()
+            self._message(request, pb.ListProcessorsRequest)
+            return processors_pb(self.frontend.processors.describe())
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
-        return processors_pb(self.frontend.processors.describe())
 
-    async def check(self, request: health_pb2.HealthCheckRequest, grpc_context: RayServegRPCContext) -> health_pb2.HealthCheckResponse:
-        """SERVING while some worker's engine loop is alive; NOT_FOUND for a service not served here."""
-        if isinstance(request, MalformedRequest):
-            raise self._fail(grpc_context, request.error())
-        if request.service not in HEALTH_SERVICES:
-            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
-            grpc_context.set_details(f"service: unknown service {request.service[:128]!r}")
-            raise LookupError(request.service)
+    # -- grpc.health.v1.Health: open, like HTTP's /health ----------------------------------
+
+    async def _status(self) -> health_pb2.HealthCheckResponse:
         serving = await self.frontend.workers_ready()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
+
+    async def check(
+        self, request: Request[health_pb2.HealthCheckRequest], grpc_context: RayServegRPCContext
+    ) -> health_pb2.HealthCheckResponse:
+        """SERVING while some worker's engine loop is alive; NOT_FOUND for a service not served here."""
+        try:
+            msg = self._message(request, health_pb2.HealthCheckRequest)
+            if msg.service not in HEALTH_SERVICES:
+                raise reject(grpc_context, grpc.StatusCode.NOT_FOUND, f"service: unknown service {msg.service[:128]!r}")
+            return await self._status()
+        except Exception as exc:
+            raise self._fail(grpc_context, exc) from None
+
+    async def list_health(
+        self, request: Request[health_pb2.HealthListRequest], grpc_context: RayServegRPCContext
+    ) -> health_pb2.HealthListResponse:
+        """Every service `check` answers for, with the same status."""
+        try:
+            self._message(request, health_pb2.HealthListRequest)
+            status = await self._status()
+            return health_pb2.HealthListResponse(statuses={name: status for name in HEALTH_SERVICES})
+        except Exception as exc:
+            raise self._fail(grpc_context, exc) from None
+
+    async def watch(
+        self, request: Request[health_pb2.HealthCheckRequest], grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """UNIMPLEMENTED, which the health protocol tells clients not to retry: a watch would hold
+        one of the ingress's ongoing-request slots for as long as any caller, keyless, kept it."""
+        raise reject(grpc_context, grpc.StatusCode.UNIMPLEMENTED,
+                     "grpc.health.v1.Health/Watch is not implemented by this server; poll Check")
+        yield health_pb2.HealthCheckResponse()  # an async generator, as Serve's streaming path calls it

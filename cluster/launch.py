@@ -16,9 +16,6 @@ from cluster.cli_errors import CliError
 
 READY_TIMEOUT_S = 600.0
 LOCAL_NUM_CPUS = 8
-# Largest gRPC message Serve's proxy takes or sends; requests past limits.max_body_bytes are
-# rejected anyway, responses (logprobs of long generations) need more room.
-GRPC_MAX_MESSAGE_BYTES = 64 << 20
 # Ray's setting for the nice value of the worker processes it starts (its default: 15).
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
@@ -34,7 +31,8 @@ def local_cluster_env(cfg: Any, token_dir: Path | None = None) -> dict[str, str]
       file only this user can read; RAY_AUTH_MODE=disabled set by the caller is respected (the
       test suite does, for its own clusters) and warned about.
     - Serve's HTTP proxy gets the request read timeout (cluster.slow_clients), and its gRPC proxy
-      a message size bound (Serve's default is 2 GiB, parsed in memory before any check of ours).
+      a message size bound, limits.max_grpc_message_bytes (Serve's default is 2 GiB, received
+      whole before any check of ours).
     - The serving processes (proxy, ingress, workers) run at normal priority: Ray starts worker
       processes at nice 15, so on a box shared with other programs the server itself was the
       first to lose the CPU (measured: README, "Served path"). A caller's RAY_worker_niceness wins.
@@ -42,7 +40,7 @@ def local_cluster_env(cfg: Any, token_dir: Path | None = None) -> dict[str, str]
     from cluster.slow_clients import proxy_env
 
     env = dict(proxy_env(cfg.limits.read_timeout_s))
-    env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(GRPC_MAX_MESSAGE_BYTES)
+    env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(cfg.limits.grpc_message_bytes)
     env[WORKER_NICENESS_ENV] = os.environ.get(WORKER_NICENESS_ENV, "0")
     if cfg.server.host in ("127.0.0.1", "localhost", "::1"):
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

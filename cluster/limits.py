@@ -63,6 +63,17 @@ class Limits(BaseModel):
     read_timeout_s: PositiveFloat = 10.0
     """HTTP: the whole request (headers and body) must arrive within this many seconds of the
     connection, or of the first byte of a later request on it (see cluster.slow_clients)."""
+    max_grpc_message_bytes: PositiveInt = 4 << 20
+    """gRPC: the largest message Serve's proxy receives or sends, raised to max_body_bytes if
+    below it (`grpc_message_bytes`). Serve has one setting for both, process-wide:
+    RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, set from this by `logitpool serve` and the chart. A larger
+    request is RESOURCE_EXHAUSTED before anything reads it; a unary response larger than this is
+    RESOURCE_EXHAUSTED naming it (GenerateStream sends one message per delta)."""
+
+    @property
+    def grpc_message_bytes(self) -> int:
+        """The gRPC message bound in effect: a request within max_body_bytes always fits."""
+        return max(self.max_grpc_message_bytes, self.max_body_bytes)
 
 
 def check_body(limits: Limits, body: bytes) -> None:

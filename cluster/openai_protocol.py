@@ -151,9 +151,8 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             p = [p]
-        if not p or any(len(x) == 0 for x in p if not isinstance(x, int)):
-            raise ValueError("prompt: must not be empty")
-        if all(isinstance(x, int) for x in p):
+        # An empty list or prompt is the front end's 400 (cluster.frontend.check_prompts).
+        if p and all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
@@ -213,9 +212,19 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
-    """Cap max_tokens (and min_tokens with it) at what the context leaves after the prompt."""
-    params.max_tokens = max(1, min(params.max_tokens, max_model_len - prompt_len))
-    params.min_tokens = min(params.min_tokens, params.max_tokens)
+    """max_tokens against the context the prompt leaves, as vLLM: "up to the context" (INT64_MAX,
+    chat's value when neither max_tokens nor max_completion_tokens is given) becomes what is
+    left, and min_tokens is capped with it; a number that does not fit is a ValueError (400)."""
+    room = max_model_len - prompt_len
+    if params.max_tokens == INT64_MAX:
+        params.max_tokens = max(1, room)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+    elif params.max_tokens > room:
+        raise ValueError(
+            f"max_tokens: This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {params.max_tokens} output tokens and your prompt contains {prompt_len} input "
+            f"tokens, for a total of {prompt_len + params.max_tokens} tokens. Please reduce the length "
+            "of the input prompt or the number of requested output tokens.")
 
 
 # -- chat template -------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monke
     assert all(t.stat().st_mode & 0o777 == 0o600 and t.parent.stat().st_mode & 0o777 == 0o700 for t in tokens)
     assert first["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "cluster.slow_clients:install"
     assert float(first["LOGITPOOL_HTTP_READ_TIMEOUT_S"]) == cfg.limits.read_timeout_s
-    assert int(first["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == 64 << 20
+    assert int(first["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == cfg.limits.grpc_message_bytes == 4 << 20
     assert first["RAY_worker_niceness"] == "0"  # serving processes at normal priority
     monkeypatch.setenv("RAY_worker_niceness", "5")
     assert local_cluster_env(cfg, tmp_path)["RAY_worker_niceness"] == "5"  # the caller's choice wins

@@ -3,6 +3,7 @@ every failure here happens before Ray starts, which is the point)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,8 +72,17 @@ def test_cause_is_the_traceback_exception():
 
 def test_banner_with_keys_shows_how_to_send_one():
     cfg = LogitpoolConfig.model_validate({"engine": {"model": "/srv/m"}, "api_key_env": "MY_KEYS"})
-    text = "\n".join(banner(cfg, "127.0.0.1", keys=True))
-    assert '-H "Authorization: Bearer $MY_KEYS"' in text and '--api-key "$MY_KEYS"' in text
+    lines = banner(cfg, "127.0.0.1", keys=True)
+    text = "\n".join(lines)
+    assert "${MY_KEYS%%,*}" in text  # the variable is shown, never a key
+    # Run as printed by a POSIX shell (curl and the CLI stubbed to print their arguments): with
+    # several comma-separated keys, the first one is sent.
+    curl = next(line for line in lines if line.strip().startswith("curl "))
+    generate = next(line for line in lines if " generate " in line).split(" generate ", 1)[1]
+    script = f"curl() {{ printf '%s\\n' \"$@\"; }}\n{curl}\nprintf '%s\\n' {generate}\n"
+    out = subprocess.run(["sh", "-c", script], env={"MY_KEYS": "k1,k2", "PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "Authorization: Bearer k1" in out and out[out.index("--api-key") + 1] == "k1"
     assert "'m'" in text  # the served name, not the path
     assert "Authorization" not in "\n".join(banner(cfg, "127.0.0.1", keys=False))
 

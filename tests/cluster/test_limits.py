@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.config import LogitpoolConfig
 from cluster.errors import classify, error_body
-from cluster.grpc_servicers import MalformedRequest, _lenient
+from cluster.grpc_servicers import WireRequest, _deferred
 from cluster.limits import Limits, PayloadTooLarge, check_request, json_depth_exceeds, parse_json
 from worker.sampling_params import SamplingParams
 
@@ -175,20 +175,26 @@ def test_responses_never_carry_nan_or_infinity():
     assert "Infinity" not in text and "NaN" not in text
 
 
-def test_malformed_protobuf_becomes_a_malformed_request():
+def test_the_proxy_defers_parsing_and_a_malformed_message_is_a_value_error():
     handler = grpc.unary_unary_rpc_method_handler(
         lambda r, c: None, request_deserializer=pb.GenerateRequest.FromString,
         response_serializer=pb.GenerateResponse.SerializeToString)
-    parse = _lenient(handler).request_deserializer
-    bad = parse(b"\xff\xff\xff\xff garbage")
-    assert isinstance(bad, MalformedRequest)
-    assert "logitpool.v1.GenerateRequest" in str(bad.error()) and "DecodeError" not in str(bad.error())
+    defer = _deferred(handler).request_deserializer
+    raw = b"\xff\xff\xff\xff garbage"
+    bad = defer(raw)
+    assert isinstance(bad, WireRequest) and bad.raw == raw  # the proxy never parses
+    with pytest.raises(ValueError) as err:
+        bad.parse(pb.GenerateRequest)
+    assert "logitpool.v1.GenerateRequest" in str(err.value) and "DecodeError" not in str(err.value)
     # nesting beyond protobuf's recursion limit is a decode error too
-    assert isinstance(parse(deep_request_bytes(200)), MalformedRequest)
-    shallow = parse(deep_request_bytes(10))
-    assert isinstance(shallow, pb.GenerateRequest) and shallow.params.extra_args["a"].HasField("list_value")
-    ok = parse(pb.GenerateRequest(prompt="hi").SerializeToString())
+    with pytest.raises(ValueError, match="not a valid"):
+        defer(deep_request_bytes(200)).parse(pb.GenerateRequest)
+    shallow = defer(deep_request_bytes(10)).parse(pb.GenerateRequest)
+    assert shallow.params.extra_args["a"].HasField("list_value")
+    ok = defer(pb.GenerateRequest(prompt="hi").SerializeToString()).parse(pb.GenerateRequest)
     assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "hi"
+    with pytest.raises(ValueError, match="not a valid logitpool.v1.ListProcessorsRequest"):
+        defer(b"").parse(pb.ListProcessorsRequest)  # a message of another method's type
 
 
 def test_pool_snapshots_are_json_whatever_the_engine_reports():

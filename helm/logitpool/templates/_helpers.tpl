@@ -49,9 +49,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   value: cluster.slow_clients:install
 - name: LOGITPOOL_HTTP_READ_TIMEOUT_S
   value: {{ .Values.limits.read_timeout_s | toString | quote }}
-# Serve's gRPC proxy parses messages up to this size (its default is 2 GiB); cluster/cli.py likewise.
+# Serve's gRPC proxy receives and sends messages up to this size (its default is 2 GiB);
+# limits.max_grpc_message_bytes, which `logitpool serve` sets likewise (cluster/launch.py).
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
-  value: "67108864"
+  value: {{ max .Values.limits.max_grpc_message_bytes .Values.limits.max_body_bytes | int64 | toString | quote }}
 {{- if eq .Values.ray.authMode "disabled" }}
 # Ray >= 2.60 turns token auth on by default for a fresh cluster; say "disabled" explicitly.
 - name: RAY_AUTH_MODE
