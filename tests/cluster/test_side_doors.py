@@ -2,7 +2,8 @@
 that cannot use the session's cluster, since what it checks is how the CLI starts one): every
 listening socket of its whole process tree is on the chosen host (loopback), except the gRPC
 port, which Ray Serve 2.60's proxy binds on every interface; Ray token auth is on (RAY_AUTH_MODE
-is removed from the child's environment, which the test suite otherwise sets to `disabled`)."""
+is removed from the child's environment, which the test suite otherwise sets to `disabled`); the
+HTTP proxy answers 431 past the config's `limits.max_header_bytes` (the CLI passes it on)."""
 
 from __future__ import annotations
 
@@ -78,13 +79,25 @@ def listening_sockets(pids: set[int]) -> list[tuple[int, str, int]]:
     return out
 
 
-def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
+def _head_status(port: int, size: int) -> bytes:
+    """The status line Serve's HTTP proxy answers a GET /health whose head is `size` bytes."""
+    import socket
+
+    start = "GET /health HTTP/1.1\r\nhost: t\r\nx-pad: "
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall((start + "a" * (size - len(start) - 4) + "\r\n\r\n").encode())
+        return s.recv(65536).split(b"\r\n", 1)[0]
+
+
+def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir, tmp_path):
     http_port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "LOGITPOOL_HTTP"))}
     env["PYTHONPATH"] = str(REPO_ROOT)
+    config = tmp_path / "config.yaml"  # a header limit of its own: the CLI hands it to Serve's proxy
+    config.write_text("limits:\n  max_header_bytes: 8192\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port)],
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--config", str(config)],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
@@ -100,6 +113,8 @@ def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
         assert f"[::]:{grpc_port}" in "".join(lines), "the banner must say gRPC listens on every interface"
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
+        assert _head_status(http_port, 8000) == b"HTTP/1.1 200 OK"
+        assert _head_status(http_port, 9000) == b"HTTP/1.1 431 Request Header Fields Too Large"
         with Client(f"127.0.0.1:{grpc_port}", timeout=60) as c:
             assert c.health() and len(c.generate("x", max_tokens=2, ignore_eos=True).token_ids) == 2
         sockets = listening_sockets(_descendants(proc.pid))
