@@ -25,7 +25,7 @@ from cluster import pool_stats, prompt_bound
 from cluster.auth import ApiKeys
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
-from cluster.limits import ResponseShape
+from cluster.limits import ONCE, ResponseShape
 from cluster.metrics import Metrics
 from cluster.openai_protocol import ChatMessage, fit_to_context, render_chat
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
@@ -101,7 +101,7 @@ class Frontend:
                              f"tokens: at most {bound} can, for this tokenizer")
 
     def check_request(self, params: SamplingParams, prompts: list[str | list[int]],
-                      shape: ResponseShape = ResponseShape()) -> list[list[int]]:
+                      shape: ResponseShape = ONCE) -> list[list[int]]:
         """Limits, then validate and tokenize, then the response's size; raises ValueError naming
         the field (both protocols). ``shape``: how the protocol's response lays out logprobs."""
         request_limits.check_request(self.limits, params, len(prompts))
@@ -123,7 +123,7 @@ class Frontend:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     async def prepare(self, params: SamplingParams, prompts: list[str | list[int]],
-                      shape: ResponseShape = ResponseShape()) -> list[list[int]]:
+                      shape: ResponseShape = ONCE) -> list[list[int]]:
         """check_request, off the event loop when there is much to tokenize or a grammar to compile."""
         return await self._off_loop(params, sum(map(len, prompts)), self.check_request, params, prompts, shape)
 

@@ -17,8 +17,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cluster import limits as request_limits
 from cluster.errors import classify, error_body
 from cluster.frontend import Frontend
-from cluster.http_wire import StreamedJSONResponse, StrictJSONResponse, charset, is_json, json_chunks, sse, status_response
-from cluster.limits import PayloadTooLarge, RequestTimeout, ResponseShape, UnsupportedMediaType, response_logprobs
+from cluster.http_wire import (
+    StreamedJSONResponse,
+    StrictJSONResponse,
+    charset,
+    is_json,
+    json_chunks,
+    sse,
+    status_response,
+)
+from cluster.limits import (
+    ONCE,
+    PayloadTooLarge,
+    RequestTimeout,
+    ResponseShape,
+    UnsupportedMediaType,
+    response_logprobs,
+)
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -140,7 +155,7 @@ class HttpAdapter:
                                                     lambda: {"usage": completion_usage(outs, echoes)}))
         return StrictJSONResponse(completion_response(rid, fe.model_name, list(outs), *args))
 
-    def _large(self, params: SamplingParams, prompts: list[list[int]], shape: ResponseShape = ResponseShape()) -> bool:
+    def _large(self, params: SamplingParams, prompts: list[list[int]], shape: ResponseShape = ONCE) -> bool:
         """Whether a response is written in pieces (STREAM_ABOVE_LOGPROBS / _CHOICES)."""
         return (len(prompts) * params.n > STREAM_ABOVE_CHOICES
                 or response_logprobs(params, [len(p) for p in prompts], self.frontend.max_model_len, shape)

@@ -230,8 +230,12 @@ class ResponseShape:
     echo: bool = False
 
 
+ONCE = ResponseShape()
+"""Chat's and gRPC's shape: prompt logprobs once per response, no echo."""
+
+
 def response_logprobs(params: SamplingParams, prompt_lens: Sequence[int], max_model_len: int,
-                      shape: ResponseShape = ResponseShape()) -> int:
+                      shape: ResponseShape = ONCE) -> int:
     """Upper bound on the logprob entries (a token and each of its top-k, one entry each) in a
     response: per prompt of L tokens, with k = logprobs, kp = prompt_logprobs and at most M
     generated tokens, ``n × M × (k + 1)`` plus ``copies × L × (kp + 1)``, where copies is 1, or
@@ -248,7 +252,7 @@ def response_logprobs(params: SamplingParams, prompt_lens: Sequence[int], max_mo
 
 
 def check_response(limits: Limits, params: SamplingParams, prompt_lens: Sequence[int], max_model_len: int,
-                   shape: ResponseShape = ResponseShape()) -> None:
+                   shape: ResponseShape = ONCE) -> None:
     """The response a request asks for, bounded before admission (`limits.max_response_logprobs`)."""
     entries = response_logprobs(params, prompt_lens, max_model_len, shape)
     if entries > limits.max_response_logprobs:

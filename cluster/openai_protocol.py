@@ -17,7 +17,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.openai_structured import ForcedTool, forced_tool, reject_not_implemented, structured_from_fields, tool_call_message
+from cluster.openai_structured import (
+    ForcedTool,
+    forced_tool,
+    reject_not_implemented,
+    structured_from_fields,
+    tool_call_message,
+)
 from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from worker.sampling_params import INT64_MAX, SamplingParams
 

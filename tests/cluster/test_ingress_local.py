@@ -165,7 +165,7 @@ def test_grpc_applies_the_same_response_limit(fe: Frontend) -> None:
     ctx = _ctx()
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[8] * 10),
                              params=pb.SamplingParams(max_tokens=600, logprobs=3))
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="limits.max_response_logprobs"):
         asyncio.run(GrpcAdapter(fe).generate(req, ctx))
     assert ctx.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "limits.max_response_logprobs" in ctx.details() and FakeEngine.seen == []

@@ -16,7 +16,13 @@ from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.config import LogitpoolConfig
 from cluster.errors import classify, error_body
 from cluster.grpc_servicers import MalformedRequest, _lenient
-from cluster.limits import Limits, PayloadTooLarge, check_request, json_depth_exceeds, parse_json
+from cluster.limits import (
+    Limits,
+    PayloadTooLarge,
+    check_request,
+    json_depth_exceeds,
+    parse_json,
+)
 from worker.sampling_params import SamplingParams
 
 LIMITS = Limits()

@@ -103,8 +103,6 @@ def test_the_bound_is_a_lower_bound_on_tokens(name, text):
 @settings(max_examples=150, deadline=None)
 @given(text=_text)
 def test_the_bound_holds_for_the_tiny_tokenizer(tiny_model_dir, text):
-    from transformers import AutoTokenizer
-
     tok = _tiny(str(tiny_model_dir))
     bound = max_chars_per_token(tok.backend_tokenizer)
     assert len(tok.encode(text, add_special_tokens=False)) * bound >= len(text)

@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Self
 
 import pytest
 import uvicorn
@@ -47,7 +48,7 @@ class Server:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -89,7 +90,7 @@ class Conn:
         self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
         self.buffer = b""
 
-    def __enter__(self) -> Conn:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
