@@ -18,17 +18,38 @@ from cluster import limits as request_limits
 from cluster import pool_stats
 from cluster.errors import classify, error_body
 from cluster.frontend import Frontend
-from cluster.http_wire import StrictJSONResponse, is_json, sse, status_response
-from cluster.limits import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from cluster.http_wire import (
+    StreamedJSONResponse,
+    StrictJSONResponse,
+    charset,
+    is_json,
+    json_chunks,
+    sse,
+    status_response,
+)
+from cluster.limits import (
+    ONCE,
+    PayloadTooLarge,
+    RequestTimeout,
+    ResponseShape,
+    UnsupportedMediaType,
+    response_logprobs,
+)
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Echo,
     after_echo,
+    chat_choices,
     chat_chunk,
+    chat_head,
     chat_response,
+    chat_tail,
+    completion_choices,
     completion_chunk,
+    completion_head,
     completion_response,
+    completion_usage,
     echoed,
     new_id,
     now,
@@ -40,6 +61,10 @@ from worker.sampling_params import SamplingParams
 
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 DONE = "data: [DONE]\n\n"
+# A response that may carry more logprob entries than this, or more choices, is written in
+# pieces as it is encoded (cluster.http_wire.json_chunks), never held whole next to its objects.
+STREAM_ABOVE_LOGPROBS = 1 << 14
+STREAM_ABOVE_CHOICES = 64
 
 
 class HttpAdapter:
@@ -63,6 +88,9 @@ class HttpAdapter:
         content_type = request.headers.get("content-type")
         if content_type is not None and not is_json(content_type):
             raise UnsupportedMediaType(f"content-type: {content_type[:64]!r} is not supported, send application/json")
+        encoding = charset(content_type or "")
+        if encoding not in (None, "utf-8", "utf8"):
+            raise UnsupportedMediaType(f"content-type: charset {encoding[:32]!r} is not supported, JSON is UTF-8")
         limit = limits.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -107,7 +135,8 @@ class HttpAdapter:
             body = await self._parse(request, CompletionRequest)
             params = body.sampling_params()
             raw = body.prompts()
-            prompts = await fe.prepare(params, raw)
+            shape = ResponseShape(prompt_logprobs_per_choice=not body.stream, echo=body.echo)
+            prompts = await fe.prepare(params, raw, shape)
         except Exception as exc:
             return self.error(exc)
         rid = new_id("cmpl")
@@ -120,8 +149,18 @@ class HttpAdapter:
             return self.error(exc)
         fe.count_ok("http", outs)
         echoes = [self._echo(r, ids, out, body) for r, ids, out in zip(raw, prompts, outs)] if body.echo else None
-        return StrictJSONResponse(completion_response(rid, fe.model_name, list(outs), fe.decode_token,
-                                                      body.return_token_ids, body.include_stop_str_in_output, echoes))
+        args = (fe.decode_token, body.return_token_ids, body.include_stop_str_in_output, echoes)
+        if self._large(params, prompts, shape):
+            choices = completion_choices(outs, *args)
+            return StreamedJSONResponse(json_chunks(completion_head(rid, fe.model_name), "choices", choices,
+                                                    lambda: {"usage": completion_usage(outs, echoes)}))
+        return StrictJSONResponse(completion_response(rid, fe.model_name, list(outs), *args))
+
+    def _large(self, params: SamplingParams, prompts: list[list[int]], shape: ResponseShape = ONCE) -> bool:
+        """Whether a response is written in pieces (STREAM_ABOVE_LOGPROBS / _CHOICES)."""
+        return (len(prompts) * params.n > STREAM_ABOVE_CHOICES
+                or response_logprobs(params, [len(p) for p in prompts], self.frontend.max_model_len, shape)
+                > STREAM_ABOVE_LOGPROBS)
 
     def _echo(self, raw: str | list[int], ids: list[int], first: RequestOutput, body: CompletionRequest) -> Echo:
         """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded),
@@ -204,8 +243,11 @@ class HttpAdapter:
         except Exception as exc:
             return self.error(exc)
         fe.count_ok("http", [out])
-        return StrictJSONResponse(chat_response(rid, fe.model_name, out, fe.decode_token, top_n, body.return_token_ids,
-                                                body.forced_tool, body.include_stop_str_in_output))
+        args = (fe.decode_token, top_n, body.return_token_ids, body.forced_tool, body.include_stop_str_in_output)
+        if self._large(params, [ids]):
+            return StreamedJSONResponse(json_chunks(chat_head(rid, fe.model_name), "choices",
+                                                    chat_choices(out, *args), lambda: chat_tail(out)))
+        return StrictJSONResponse(chat_response(rid, fe.model_name, out, *args))
 
     async def _stream_chat(
         self, rid: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest

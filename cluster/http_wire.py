@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.errors import Status, error_body
 
@@ -37,6 +38,38 @@ class StrictJSONResponse(JSONResponse):
         return dumps(content).encode("utf-8")
 
 
+# A large response goes out in pieces of about this size (cluster.http_adapter decides "large").
+CHUNK_BYTES = 1 << 16
+
+
+def json_chunks(head: dict[str, Any], key: str, items: Iterable[Any], tail: Callable[[], dict[str, Any]],
+                chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """``dumps({**head, key: list(items), **tail()})`` as UTF-8, in pieces of about chunk_bytes,
+    the same bytes; only the item being encoded and one piece are held at a time (``tail`` is
+    built last, once the items are out)."""
+    start = dumps(head)
+    parts = [f"{start[:-1]}{',' if head else ''}{json.dumps(key)}:["]
+    size = len(parts[0])
+    for n, item in enumerate(items):
+        text = ("," if n else "") + dumps(item)
+        parts.append(text)
+        size += len(text)
+        if size >= chunk_bytes:
+            yield "".join(parts).encode("utf-8")
+            parts, size = [], 0
+    end = dumps(tail())
+    parts.append("]" + (f",{end[1:]}" if end != "{}" else "}"))
+    yield "".join(parts).encode("utf-8")
+
+
+class StreamedJSONResponse(StreamingResponse):
+    """A large JSON response written as `json_chunks` come (chunked transfer encoding). The
+    pieces are produced on a worker thread (Starlette iterates a plain iterator in its pool)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        super().__init__(chunks, media_type="application/json")
+
+
 def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
@@ -49,3 +82,12 @@ def status_response(status: Status, headers: dict[str, str] | None = None) -> JS
 def is_json(content_type: str) -> bool:
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or media.endswith("+json")
+
+
+def charset(content_type: str) -> str | None:
+    """The `charset` parameter of a Content-Type, lower-cased and unquoted; None without one."""
+    for param in content_type.split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None

@@ -11,13 +11,19 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.openai_structured import ForcedTool, forced_tool, reject_not_implemented, structured_from_fields, tool_call_message
+from cluster.openai_structured import (
+    ForcedTool,
+    forced_tool,
+    reject_not_implemented,
+    structured_from_fields,
+    tool_call_message,
+)
 from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from worker.sampling_params import INT64_MAX, SamplingParams
 
@@ -355,29 +361,47 @@ def _choice(fields: dict[str, Any], c: CompletionOutput, token_ids: bool) -> dic
     return fields
 
 
-def completion_response(
-    rid: str, model: str, outs: list[RequestOutput], decode: Any, token_ids: bool = False,
-    include_stop: bool = False, echoes: Sequence[Echo] | None = None,
-) -> dict[str, Any]:
-    """``echoes``: per prompt, what `echo` puts in front of each of its choices."""
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+def completion_usage(outs: Sequence[RequestOutput], echoes: Sequence[Echo] | None = None) -> dict[str, int]:
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+    completion_tokens = sum(len(c.token_ids) for i, out in enumerate(outs) for c in out.outputs
+                            if echoes is None or not echoes[i].only)
+    return usage(prompt_tokens, completion_tokens)
+
+
+def completion_choices(
+    outs: Sequence[RequestOutput], decode: Any, token_ids: bool = False, include_stop: bool = False,
+    echoes: Sequence[Echo] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The choices of a completions response, one at a time (a large response is written as they
+    come, cluster.http_wire.json_chunks). A prompt's `prompt_logprobs` are converted once and the
+    same list is every one of its choices' (the JSON repeats them per choice, as vLLM's)."""
     for i, out in enumerate(outs):
-        prompt_tokens += len(out.prompt_token_ids)
+        plp = prompt_logprobs_json(out.prompt_logprobs)
         for c in out.outputs:
             shown = c if echoes is None else echoed(c, echoes[i])
-            completion_tokens += 0 if echoes is not None and echoes[i].only else len(c.token_ids)
             choice = _choice({
                 "index": i * len(out.outputs) + c.index,
                 "text": output_text(shown, include_stop),
                 "logprobs": completion_logprobs(shown, decode),
             }, shown, token_ids)
-            if out.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-            choices.append(choice)
-    return {
-        "id": rid, "object": "text_completion", "created": now(), "model": model,
-        "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
-    }
+            if plp is not None:
+                choice["prompt_logprobs"] = plp
+            yield choice
+
+
+def completion_head(rid: str, model: str) -> dict[str, Any]:
+    """A completions response's fields before `choices` (and `usage`, after them)."""
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model}
+
+
+def completion_response(
+    rid: str, model: str, outs: list[RequestOutput], decode: Any, token_ids: bool = False,
+    include_stop: bool = False, echoes: Sequence[Echo] | None = None,
+) -> dict[str, Any]:
+    """``echoes``: per prompt, what `echo` puts in front of each of its choices."""
+    return {**completion_head(rid, model),
+            "choices": list(completion_choices(outs, decode, token_ids, include_stop, echoes)),
+            "usage": completion_usage(outs, echoes)}
 
 
 def _chat_choice(c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool | None,
@@ -390,24 +414,33 @@ def _chat_choice(c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool 
             "finish_reason": reason, "stop_reason": c.stop_reason}
 
 
-def chat_response(
-    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
-    tool: ForcedTool | None = None, include_stop: bool = False,
-) -> dict[str, Any]:
-    choices = []
+def chat_choices(out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
+                 tool: ForcedTool | None = None, include_stop: bool = False) -> Iterator[dict[str, Any]]:
     for c in out.outputs:
         choice = _chat_choice(c, decode, top_n, tool, include_stop)
         if token_ids:
             choice["token_ids"] = list(c.token_ids)
-        choices.append(choice)
-    n_out = sum(len(c.token_ids) for c in out.outputs)
-    body = {
-        "id": rid, "object": "chat.completion", "created": now(), "model": model,
-        "choices": choices, "usage": usage(len(out.prompt_token_ids), n_out),
-    }
+        yield choice
+
+
+def chat_head(rid: str, model: str) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": model}
+
+
+def chat_tail(out: RequestOutput) -> dict[str, Any]:
+    """A chat response's fields after `choices`: usage, and the prompt's logprobs (once)."""
+    tail: dict[str, Any] = {"usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
     if out.prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-    return body
+        tail["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    return tail
+
+
+def chat_response(
+    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
+    tool: ForcedTool | None = None, include_stop: bool = False,
+) -> dict[str, Any]:
+    return {**chat_head(rid, model), "choices": list(chat_choices(out, decode, top_n, token_ids, tool, include_stop)),
+            **chat_tail(out)}
 
 
 def completion_chunk(

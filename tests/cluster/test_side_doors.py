@@ -4,7 +4,8 @@ listening socket of its whole process tree is on the chosen host (loopback), exc
 port, which Ray Serve 2.60's proxy binds on every interface; Ray token auth is on (RAY_AUTH_MODE
 is removed from the child's environment, which the test suite otherwise sets to `disabled`).
 With several API keys in LOGITPOOL_API_KEY, the banner's curl example works as printed; Serve's
-gRPC proxy refuses a message past limits.max_grpc_message_bytes before anything reads it."""
+gRPC proxy refuses a message past limits.max_grpc_message_bytes before anything reads it; the
+HTTP proxy answers 431 past the config's `limits.max_header_bytes` (the CLI passes it on)."""
 
 from __future__ import annotations
 
@@ -126,14 +127,26 @@ def _metrics_export_on_loopback(pids: set[int], sockets: list[tuple[int, str, in
     print(f"Ray agent metrics without the token (loopback): {exporters}")
 
 
-def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
+def _head_status(port: int, size: int) -> bytes:
+    """The status line Serve's HTTP proxy answers a GET /health whose head is `size` bytes."""
+    import socket
+
+    start = "GET /health HTTP/1.1\r\nhost: t\r\nx-pad: "
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall((start + "a" * (size - len(start) - 4) + "\r\n\r\n").encode())
+        return s.recv(65536).split(b"\r\n", 1)[0]
+
+
+def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir, tmp_path):
     http_port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "LOGITPOOL_HTTP"))}
     env["PYTHONPATH"] = str(REPO_ROOT)
     env["LOGITPOOL_API_KEY"] = "k1,k2"
+    config = tmp_path / "config.yaml"  # a header limit of its own: the CLI hands it to Serve's proxy
+    config.write_text("limits:\n  max_header_bytes: 8192\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port)],
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--config", str(config)],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
@@ -151,6 +164,8 @@ def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        headers={"Authorization": "bearer k2"})
         assert r.status_code == 200
+        assert _head_status(http_port, 8000) == b"HTTP/1.1 200 OK"
+        assert _head_status(http_port, 9000) == b"HTTP/1.1 431 Request Header Fields Too Large"
         with Client(f"127.0.0.1:{grpc_port}", api_key="k1", timeout=60) as c:
             assert c.health() and len(c.generate("x", max_tokens=2, ignore_eos=True).token_ids) == 2
         _grpc_message_bound(grpc_port)

@@ -49,6 +49,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   value: cluster.slow_clients:install
 - name: LOGITPOOL_HTTP_READ_TIMEOUT_S
   value: {{ .Values.limits.read_timeout_s | toString | quote }}
+- name: LOGITPOOL_HTTP_MAX_HEADER_BYTES
+  value: {{ .Values.limits.max_header_bytes | toString | quote }}
 # Serve's gRPC proxy receives and sends messages up to this size (its default is 2 GiB);
 # limits.max_grpc_message_bytes, which `logitpool serve` sets likewise (cluster/launch.py).
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
