@@ -90,7 +90,8 @@ class SoakReport:
         if self.killed_in_flight is not None and excused > self.killed_in_flight + 8:
             bad.append(f"{excused} requests failed at the kill; the replica held {self.killed_in_flight}")
         if len(self.died) > (self.kill_time is not None):
-            bad.append(f"worker pids {self.died} are gone at the end; one replica was killed")
+            killed = "one was" if self.kill_time is not None else "none was"
+            bad.append(f"worker pids {self.died} are gone at the end; {killed} killed")
         for replica, n in self.leftover.items():
             if n:
                 bad.append(f"replica {replica}: {n} sequences still in its batch after the load")

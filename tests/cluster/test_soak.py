@@ -45,4 +45,6 @@ def test_soak_with_faults(soak_target):
     assert any(o.name.endswith("_constrained") for o in report.outcomes if o.kind == INNOCENT)
     assert report.kill_time is not None, "no replica was killed (fewer than two replicas seen)"
     assert "ingress" in report.roles.values() and len(report.rss_warm) >= 2  # RSS of the ingress and a worker
-    assert report.violations() == []
+    bad = report.violations()
+    print("\n".join(f"VIOLATION {line}" for line in bad))
+    assert bad == []

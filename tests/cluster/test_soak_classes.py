@@ -180,6 +180,14 @@ def test_report_judges_the_new_classes():
     assert "| stall | stalled | 1 |" in table and "ingress pid 2: RSS 100 -> 120 MiB" in table
 
 
+def test_report_counts_worker_deaths_beyond_the_kill():
+    ok = [(sc.INNOCENT, "grpc", sc.OK, "", 0.0, 1.0)]
+    assert _report(ok, kill_time=0.5, died=[7]).violations() == []  # the killed one
+    two = _report(ok, kill_time=0.5, died=[7, 8]).violations()
+    assert two == ["worker pids [7, 8] are gone at the end; one was killed"]
+    assert _report(ok, died=[7]).violations() == ["worker pids [7] are gone at the end; none was killed"]
+
+
 # -- the non-reading HTTP client against a real server ----------------------------------------
 
 
