@@ -29,7 +29,7 @@ import signal
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
@@ -525,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-port", type=int, default=9000)
     p.add_argument("--stall-hold-s", type=float, default=10.0,
                    help="how long a non-reading stream's client holds it unread before closing")
+    p.add_argument("--outcomes", help="write every request's outcome to this file (JSON lines)")
     args = p.parse_args(argv)
     from cluster.launch import start_serve, wait_ready
     from worker.models import build_tiny_model, default_model_path
@@ -537,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
         requests=args.requests, concurrency=args.concurrency, seed=args.seed, kill=not args.no_kill,
         limits=cfg.limits, stall_hold_s=args.stall_hold_s))
     print(report.render())
+    if args.outcomes:
+        with open(args.outcomes, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(asdict(o)) + "\n" for o in report.outcomes)
     bad = report.violations()
     for line in bad[:50]:
         print("VIOLATION", line)

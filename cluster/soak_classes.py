@@ -248,7 +248,7 @@ class Share:
 # Every new class is bounded in count (and each request in time) whatever --requests says.
 DEFAULT_MIX: dict[str, Share] = {
     HOSTILE: Share(0.10), CANCEL: Share(0.10), FAULT: Share(0.01, 1),
-    AMPLIFY: Share(0.01, 2, 12), HEAVY_GRAMMAR: Share(0.01, 2, 6), HOG: Share(0.0004, 2, 4),
+    AMPLIFY: Share(0.01, 2, 12), HEAVY_GRAMMAR: Share(0.01, 2, 4), HOG: Share(0.0004, 2, 4),
     STALL: Share(0.015, 4, 40),
 }
 # The warm-up leaves out what costs many seconds where a fix is missing (heavy compiles, the
