@@ -7,10 +7,13 @@ The load (over HTTP and gRPC, ``--concurrency`` clients at a time):
   ``INVALID_ARGUMENT`` with a JSON error body, or a valid answer where one exists;
 - 10 % streams the client cancels after the first chunk;
 - 1 % enabling ``FaultInjectionProcessor`` (a processor that raises for that request alone);
+- issue 17's hostile classes, each bounded in count (cluster/soak_classes.py says what each may
+  end with): amplifying completions, heavy-grammar pairs, hogs at the sequence limits, and
+  streams whose client stops reading; some innocents carry fresh trivial constraints;
 - one worker replica killed (SIGKILL) halfway through.
 Checks: every request ends with exactly one outcome it was allowed, within its timeout; no
 innocent fails except those in flight on the killed replica; every replica's batch is empty at
-the end; the surviving replica's RSS after warm-up grows < 5 %.
+the end; the surviving worker replica's and the ingress's RSS after warm-up grow < 5 %.
 """
 
 from __future__ import annotations
@@ -18,28 +21,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import glob
 import json
-import math
 import os
 import random
 import signal
+import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
 import httpx
 
 from client import AsyncClient, InternalError, LogitpoolError, Unavailable
+from cluster import soak_classes as sc
+from cluster.limits import Limits
+from cluster.soak_classes import (  # noqa: F401 - the kinds and outcomes, re-exported for callers
+    ALLOWED, AMPLIFY, CANCEL, CANCELLED, FAULT, FAULTED, HEAVY_GRAMMAR, HOG, HOSTILE, INNOCENT, OK, REJECTED,
+    HOSTILE_HTTP, STALL, STALLED, UNAVAILABLE, UNEXPECTED, WORDS, grpc_hostile, nested_extra_args_request)
 from worker.bench.faults import FQCN as FAULT_FQCN
 
 WORKER_DEPLOYMENT = "LogitpoolWorker"
-# An outcome the client saw: what kind of request it was, and how it ended.
-INNOCENT, HOSTILE, CANCEL, FAULT = "innocent", "hostile", "cancel", "fault"
-OK, REJECTED, CANCELLED, FAULTED, UNAVAILABLE, UNEXPECTED = (
-    "ok", "rejected", "cancelled", "faulted", "unavailable", "unexpected")
+INGRESS_DEPLOYMENT = "LogitpoolIngress"
 RSS_GROWTH_LIMIT = 0.05
+CONSTRAINED_SHARE = 0.1  # of innocents: a fresh trivial constraint each
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -60,6 +67,8 @@ class SoakReport:
     killed_in_flight: int | None = None  # the killed replica's running + waiting just before the kill
     rss_warm: dict[int, int] = field(default_factory=dict)  # pid -> bytes after warm-up
     rss_end: dict[int, int] = field(default_factory=dict)
+    roles: dict[int, str] = field(default_factory=dict)  # pid -> "worker" / "ingress"
+    died: list[int] = field(default_factory=list)  # worker pids after warm-up gone at the end
     leftover: dict[str, int] = field(default_factory=dict)  # replica -> sequences still running at the end
     seconds: float = 0.0
 
@@ -72,7 +81,7 @@ class SoakReport:
                 and o.start <= self.kill_time + 1.0 and o.end >= self.kill_time)
 
     def violations(self) -> list[str]:
-        allowed = {INNOCENT: {OK}, HOSTILE: {OK, REJECTED}, CANCEL: {CANCELLED, OK}, FAULT: {FAULTED}}
+        allowed = ALLOWED
         bad = []
         for o in self.outcomes:
             if o.result not in allowed[o.kind] and not self.excused(o):
@@ -80,14 +89,29 @@ class SoakReport:
         excused = sum(1 for o in self.outcomes if o.result not in allowed[o.kind] and self.excused(o))
         if self.killed_in_flight is not None and excused > self.killed_in_flight + 8:
             bad.append(f"{excused} requests failed at the kill; the replica held {self.killed_in_flight}")
+        if len(self.died) > (self.kill_time is not None):
+            killed = "one was" if self.kill_time is not None else "none was"
+            bad.append(f"worker pids {self.died} are gone at the end; {killed} killed")
         for replica, n in self.leftover.items():
             if n:
                 bad.append(f"replica {replica}: {n} sequences still in its batch after the load")
         for pid, warm in self.rss_warm.items():
             end = self.rss_end.get(pid)
             if end is not None and end > warm * (1 + RSS_GROWTH_LIMIT):
-                bad.append(f"worker pid {pid}: RSS grew {end / warm - 1:+.1%} after warm-up")
+                bad.append(f"{self.roles.get(pid, 'worker')} pid {pid}: RSS grew {end / warm - 1:+.1%} after warm-up")
         return bad
+
+    def innocent_latency(self, kind: str | None) -> tuple[int, float, float] | None:
+        """(count, median s, max s) of the innocents overlapping a request of ``kind`` (None:
+        those overlapping none of the new classes); None when there are none."""
+        spans = [(o.start, o.end) for o in self.outcomes if o.kind in ((kind,) if kind else sc.NEW_CLASSES)]
+
+        def overlaps(o: Outcome) -> bool:
+            return any(o.start < end and start < o.end for start, end in spans)
+
+        lat = [o.end - o.start for o in self.outcomes
+               if o.kind == INNOCENT and o.result == OK and overlaps(o) == (kind is not None)]
+        return (len(lat), statistics.median(lat), max(lat)) if lat else None
 
     def render(self) -> str:
         lines = ["| kind | outcome | requests |", "|---|---|---|"]
@@ -100,14 +124,18 @@ class SoakReport:
                          f"innocents lost with it: {lost}")
         for pid, warm in self.rss_warm.items():
             if pid in self.rss_end:
-                lines.append(f"worker pid {pid}: RSS {warm / 2**20:.0f} -> {self.rss_end[pid] / 2**20:.0f} MiB "
-                             f"({self.rss_end[pid] / warm - 1:+.1%})")
+                lines.append(f"{self.roles.get(pid, 'worker')} pid {pid}: RSS {warm / 2**20:.0f} -> "
+                             f"{self.rss_end[pid] / 2**20:.0f} MiB ({self.rss_end[pid] / warm - 1:+.1%})")
+        slowest = sorted(self.outcomes, key=lambda o: o.start - o.end)[:5]
+        lines.append("slowest: " + ", ".join(f"{o.kind}/{o.name} {o.result} {o.end - o.start:.1f} s" for o in slowest))
+        for kind in (None, *sc.NEW_CLASSES):
+            if (lat := self.innocent_latency(kind)) is not None:
+                lines.append(f"innocents {'alongside ' + kind if kind else 'alongside none of them'}: "
+                             f"{lat[0]}, median {lat[1]:.2f} s, max {lat[2]:.2f} s")
         return "\n".join(lines)
 
 
 # -- request makers --------------------------------------------------------------------------
-
-WORDS = ["def", "class", "import", "return", "self", "value", "print", "for", "while", "None"]
 
 
 def random_sampling(rng: random.Random, vocab: int) -> dict[str, Any]:
@@ -144,95 +172,6 @@ def random_sampling(rng: random.Random, vocab: int) -> dict[str, Any]:
 
 def random_prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 24)))
-
-
-# Hostile HTTP requests: (name, path, raw body or JSON object, headers, statuses that are fine).
-# 200 is fine only where a valid answer exists (the value is legal); everything else is a 4xx.
-_4XX = (400, 413, 415, 422)
-
-
-def _nested(depth: int) -> str:
-    return '{"vllm_xargs": ' + '{"a": ' * depth + "1" + "}" * depth + ', "prompt": "x", "max_tokens": 2}'
-
-
-HOSTILE_HTTP: list[tuple[str, str, Any, dict[str, str], tuple[int, ...]]] = [
-    ("seed_2^64", "/v1/completions", {"prompt": "x", "max_tokens": 4, "seed": 2**64}, {}, _4XX),
-    ("top_k_2^63", "/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": 2**63}, {}, _4XX),
-    ("surrogate_prompt", "/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', {}, _4XX),
-    ("surrogate_chat", "/v1/chat/completions",
-     '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', {}, _4XX),
-    ("surrogate_role", "/v1/chat/completions",
-     '{"messages": [{"role": "\\ud800", "content": "hi"}], "max_tokens": 2}', {}, _4XX),
-    ("surrogate_model", "/v1/completions", '{"model": "\\ud800", "prompt": "x", "max_tokens": 2}', {},
-     (200, 404) + _4XX),
-    ("surrogate_bad_words", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "bad_words": ["\\ud800"]}', {},
-     _4XX),
-    ("nested_100000", "/v1/completions", _nested(100_000), {}, _4XX),
-    ("nested_500", "/v1/completions", _nested(500), {}, _4XX),
-    ("repetition_penalty_1e-300", "/v1/completions",
-     {"prompt": "x y x y", "max_tokens": 4, "repetition_penalty": 1e-300}, {}, (200,) + _4XX),
-    ("processed_logprobs_allowed", "/v1/completions",
-     {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [5, 6], "logprobs": 3,
-      "logprobs_mode": "processed_logprobs"}, {}, (200,) + _4XX),
-    ("logit_bias_nan", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": NaN}}', {}, _4XX),
-    ("n_2000", "/v1/completions", {"prompt": "x", "max_tokens": 1, "n": 2000}, {}, _4XX),
-    ("prompts_400", "/v1/completions", {"prompt": ["x"] * 400, "max_tokens": 1}, {}, _4XX),
-    ("extra_args_10k_keys", "/v1/completions",
-     {"prompt": "x", "max_tokens": 1, "extra_args": {f"k{i}": i for i in range(10_000)}}, {}, _4XX),
-    ("body_8MB", "/v1/completions", '{"prompt": "' + "a" * (8 << 20) + '", "max_tokens": 1}', {}, _4XX),
-    ("text_plain", "/v1/completions", '{"prompt": "x"}', {"content-type": "text/plain"}, _4XX),
-    ("not_json", "/v1/completions", "{prompt: x", {}, _4XX),
-    ("stream_processed_logprobs", "/v1/completions",
-     {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [5, 6], "logprobs": 3,
-      "logprobs_mode": "processed_logprobs", "stream": True}, {}, (200,) + _4XX),
-]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def nested_extra_args_request(depth: int) -> bytes:
-    """GenerateRequest{prompt "x", params{max_tokens 2, extra_args {"a": {"a": ... 1}}}}, encoded by
-    hand: protobuf's own encoder refuses to build a message nested this deep."""
-    value = _varint(3 << 3) + _varint(1)  # JsonValue.int_value = 1
-    for _ in range(depth):
-        entry = _field(1, b"a") + _field(2, value)  # JsonObject.fields map entry
-        value = _field(7, _field(1, entry))  # JsonValue.object_value
-    params = _varint(10 << 3) + _varint(2) + _field(21, _field(1, b"a") + _field(2, value))
-    return _field(1, b"x") + _field(4, params)
-
-
-def _grpc_hostile() -> list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]:
-    def raw(payload: bytes) -> Callable[[AsyncClient], Awaitable[Any]]:
-        async def call(c: AsyncClient) -> Any:
-            rpc = c._channel.unary_unary("/logitpool.v1.LogitPool/Generate")  # bytes in, bytes out
-            return await rpc(payload, timeout=60, metadata=c._metadata)
-
-        return call
-
-    async def huge_bias(c: AsyncClient) -> Any:
-        return await c.generate("x", max_tokens=3, logit_bias={67: 1e308})
-
-    async def nan_temperature(c: AsyncClient) -> Any:
-        return await c.generate("x", max_tokens=2, temperature=math.nan)
-
-    async def int32_top_k(c: AsyncClient) -> Any:
-        return await c.generate("x", max_tokens=2, top_k=2**31 - 1, temperature=1.0)
-
-    return [("grpc_garbage", raw(b"\xff\xff\xff\xff garbage")), ("grpc_logit_bias_1e308", huge_bias),
-            ("grpc_nested_60", raw(nested_extra_args_request(60))),
-            ("grpc_nan_temperature", nan_temperature), ("grpc_top_k_int32_max", int32_top_k)]
 
 
 # -- one request each -----------------------------------------------------------------------
@@ -330,32 +269,28 @@ class _Load:
     base: str
     vocab: int
     hostile_grpc: list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]
+    limits: Limits = field(default_factory=Limits)
+    stall_hold_s: float = 3.0
 
-    async def send(self, kind: str, r: random.Random) -> tuple[str, str, str]:
-        """One request of ``kind``: (name, outcome, detail); never raises, never waits unbounded."""
+    async def send(self, kind: str, r: random.Random, ordinal: int = 0) -> tuple[str, str, str]:
+        """The ``ordinal``-th request of ``kind``: (name, outcome, detail); never raises, never
+        waits unbounded."""
         try:
-            return await asyncio.wait_for(self._send(kind, r), REQUEST_TIMEOUT_S)
+            return await asyncio.wait_for(self._send(kind, r, ordinal), REQUEST_TIMEOUT_S)
         except asyncio.TimeoutError:
             return kind, UNEXPECTED, f"no answer within {REQUEST_TIMEOUT_S:.0f} s"
         except Exception as exc:  # noqa: BLE001 - any client-side surprise is one request's outcome
             return kind, UNEXPECTED, f"{type(exc).__name__}: {exc}"
 
-    async def _send(self, kind: str, r: random.Random) -> tuple[str, str, str]:
+    async def _send(self, kind: str, r: random.Random, ordinal: int) -> tuple[str, str, str]:
+        new_class = {AMPLIFY: self._amplify, HEAVY_GRAMMAR: self._heavy_grammar, HOG: self._hog,
+                     STALL: self._stall}.get(kind)
+        if new_class is not None:
+            return await new_class(r, ordinal)
         hc, gc, base = self.hc, self.gc, self.base
         prompt, sampling = random_prompt(r), random_sampling(r, self.vocab)
         if kind == HOSTILE:
-            if r.random() < 0.25:
-                name, call = r.choice(self.hostile_grpc)
-                try:
-                    await call(gc)
-                    return name, OK, ""
-                except grpc.RpcError as exc:
-                    code, details = exc.code(), exc.details() or ""
-                except LogitpoolError as exc:
-                    code, details = exc.code, str(exc)
-                return name, _grpc_outcome(code, details), f"{code}: {details}"
-            name, path, body, headers, ok = r.choice(HOSTILE_HTTP)
-            return name, *(await http_request(hc, base, path, body, headers, ok))
+            return await self._hostile(r)
         if kind == CANCEL:
             sampling["max_tokens"] = 64
             sampling["ignore_eos"] = True
@@ -366,9 +301,14 @@ class _Load:
             sampling["extra_args"] = {"fault": r.choice(["apply", "update_state", "nan"])}
             sampling["ignore_eos"] = True
             sampling["min_tokens"] = sampling["max_tokens"] = max(2, sampling["max_tokens"])
+        elif r.random() < CONSTRAINED_SHARE:
+            # Plain sampling only: bad_words or logit_bias could leave a grammar nothing to allow.
+            sampling = {k: v for k, v in sampling.items() if k in ("max_tokens", "temperature", "top_p", "seed")}
+            sampling["structured_outputs"] = sc.trivial_constraint(r)
         shape = r.choice(["http_completion", "http_chat", "http_stream", "grpc", "grpc_stream"])
+        suffix = "_constrained" if "structured_outputs" in sampling else ""
         if shape.startswith("grpc"):
-            return shape, *(await grpc_request(gc, prompt, sampling, stream=shape == "grpc_stream"))
+            return shape + suffix, *(await grpc_request(gc, prompt, sampling, stream=shape == "grpc_stream"))
         if shape == "http_chat":
             body = {"messages": [{"role": "user", "content": prompt}], **sampling}
             if "extra_args" in body:
@@ -379,37 +319,86 @@ class _Load:
             result, detail = await http_request(hc, base, "/v1/completions", body, {})
         if kind == FAULT and result == UNEXPECTED and detail.startswith("status 500"):
             result = FAULTED  # a non-streamed request whose processor failed: 500 with a JSON error body
-        return shape, result, detail
+        return shape + suffix, result, detail
+
+    async def _hostile(self, r: random.Random) -> tuple[str, str, str]:
+        if r.random() < 0.25:
+            name, call = r.choice(self.hostile_grpc)
+            try:
+                await call(self.gc)
+                return name, OK, ""
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+            except LogitpoolError as exc:
+                code, details = exc.code, str(exc)
+            return name, _grpc_outcome(code, details), f"{code}: {details}"
+        name, path, body, headers, ok = r.choice(HOSTILE_HTTP)
+        return name, *(await http_request(self.hc, self.base, path, body, headers, ok))
+
+    async def _post(self, body: dict[str, Any]) -> sc.Answer:
+        r = await self.hc.post(f"{self.base}/v1/completions", json=body)
+        return sc.http_answer(r.status_code, r.content)
+
+    async def _amplify(self, r: random.Random, ordinal: int) -> tuple[str, str, str]:
+        name, body = sc.amplify_body(r, ordinal)
+        return name, *sc.classify(sc.AMPLIFY_RULE, await self._post(body))
+
+    async def _heavy_grammar(self, r: random.Random, ordinal: int) -> tuple[str, str, str]:
+        so = {"json": sc.heavy_schema(r.randrange(10**9))}
+        if ordinal % 2:
+            try:
+                out = await self.gc.generate("x", max_tokens=4, structured_outputs=so)
+                answer = sc.Answer(200, out.error or "")
+            except LogitpoolError as exc:
+                answer = sc.grpc_answer(exc.code, str(exc))
+            return "grpc_heavy_grammar", *sc.classify(sc.HEAVY_GRAMMAR_RULE, answer)
+        answer = await self._post({"prompt": "x", "max_tokens": 4, "structured_outputs": so})
+        return "http_heavy_grammar", *sc.classify(sc.HEAVY_GRAMMAR_RULE, answer)
+
+    async def _hog(self, r: random.Random, ordinal: int) -> tuple[str, str, str]:
+        seq_limit = getattr(self.limits, "max_sequences_per_request", None)
+        shapes = sc.hog_shapes(self.limits.max_prompts, self.limits.max_n, seq_limit)
+        name, shape = shapes[ordinal % len(shapes)]
+        answer = await self._post(sc.hog_body(r, shape))
+        return f"{name}_{shape.sequences}", *sc.classify(sc.hog_rule(shape, seq_limit), answer)
+
+    async def _stall(self, r: random.Random, ordinal: int) -> tuple[str, str, str]:
+        prompt = random_prompt(r)
+        if ordinal % 2:
+            return "grpc_stall", *(await sc.stalled_grpc_stream(self.gc, prompt, self.stall_hold_s))
+        body = {"prompt": prompt, **sc.STALL_SAMPLING}
+        return "http_stall", *(await sc.stalled_http_stream(self.base, body, self.stall_hold_s))
 
 
 async def run_soak(
     http_base: str, grpc_target: str, *, requests: int, concurrency: int, seed: int = 0, vocab: int = 3000,
     on_half: Callable[[], Awaitable[tuple[float, int] | None]] | None = None,
+    mix: dict[str, sc.Share] | None = None, limits: Limits | None = None, stall_hold_s: float = 3.0,
 ) -> SoakReport:
-    """Send the mixed load; ``on_half`` (the replica kill) runs once a quarter of it has ended."""
+    """Send the mixed load; ``on_half`` (the replica kill) runs once a quarter of it has ended.
+    ``limits``: the deployment's (the hog and its expected answer follow them)."""
     rng = random.Random(seed)
-    n_hostile, n_cancel, n_fault = round(0.10 * requests), round(0.10 * requests), max(1, round(0.01 * requests))
-    plan = [HOSTILE] * n_hostile + [CANCEL] * n_cancel + [FAULT] * n_fault
-    plan += [INNOCENT] * (requests - len(plan))
-    rng.shuffle(plan)
+    plan = sc.plan(requests, rng, sc.DEFAULT_MIX if mix is None else mix)
     report = SoakReport([])
     t0 = time.monotonic()
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+    conns = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
 
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as hc, \
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=conns) as hc, \
             AsyncClient(grpc_target, timeout=REQUEST_TIMEOUT_S) as gc:
-        load = _Load(hc, gc, http_base, vocab, _grpc_hostile())
+        load = _Load(hc, gc, http_base, vocab, grpc_hostile(), limits or Limits(), stall_hold_s)
 
-        async def one(kind: str, r: random.Random) -> None:
+        async def one(kind: str, r: random.Random, ordinal: int) -> None:
             async with sem:
                 start = time.monotonic() - t0
-                name, result, detail = await load.send(kind, r)
+                name, result, detail = await load.send(kind, r, ordinal)
                 report.outcomes.append(Outcome(kind, name, result, detail, start, time.monotonic() - t0))
 
         tasks = []
+        ordinals: collections.Counter[str] = collections.Counter()
         for i, kind in enumerate(plan):
-            tasks.append(asyncio.create_task(one(kind, random.Random(rng.random()))))
+            tasks.append(asyncio.create_task(one(kind, random.Random(rng.random()), ordinals[kind])))
+            ordinals[kind] += 1
             if i == requests // 2 and on_half is not None:
                 # Let the first half get going, then kill.
                 while len(report.outcomes) < requests // 4:
@@ -474,24 +463,43 @@ def wait_batches_empty(app: str, timeout_s: float = 30.0) -> dict[str, int]:
     return left
 
 
+def replica_pids(app: str, deployment: str) -> set[int]:
+    """The local processes of one deployment's replicas, by their Ray process title."""
+    title = f"ServeReplica:{app}:{deployment}".encode()
+    pids = set()
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(256)
+        except OSError:
+            continue
+        if head.startswith(b"ray::" + title) and head[5 + len(title):6 + len(title)] in (b"", b"\0", b".", b" "):
+            pids.add(int(path.split("/")[2]))
+    return pids
+
+
 async def soak_deployment(http_base: str, grpc_target: str, app: str, *, requests: int, concurrency: int,
-                          seed: int = 0, kill: bool = True, warmup: int = 64) -> SoakReport:
+                          seed: int = 0, kill: bool = True, warmup: int = 64, limits: Limits | None = None,
+                          stall_hold_s: float = 3.0) -> SoakReport:
     """Warm up, record the replicas' RSS, run the soak (killing one replica halfway), check the end."""
-    warm = await run_soak(http_base, grpc_target, requests=warmup, concurrency=concurrency, seed=seed + 1)
-    del warm
+    kw: dict[str, Any] = {"concurrency": concurrency, "limits": limits, "stall_hold_s": stall_hold_s}
+    await run_soak(http_base, grpc_target, requests=warmup, seed=seed + 1, mix=sc.WARMUP_MIX, **kw)
     infos = await asyncio.to_thread(worker_infos, app)
-    rss_warm = {i["pid"]: rss_bytes(i["pid"]) for i in infos.values()}
+    roles = {i["pid"]: "worker" for i in infos.values()}
+    roles.update((pid, "ingress") for pid in replica_pids(app, INGRESS_DEPLOYMENT))
+    rss_warm = {pid: rss_bytes(pid) for pid in roles}
 
     async def on_half() -> tuple[float, int] | None:
         return await asyncio.to_thread(kill_one_replica, app) if kill else None
 
-    report = await run_soak(http_base, grpc_target, requests=requests, concurrency=concurrency, seed=seed,
-                            on_half=on_half)
+    report = await run_soak(http_base, grpc_target, requests=requests, seed=seed, on_half=on_half, **kw)
     report.leftover = await asyncio.to_thread(wait_batches_empty, app)
     end = await asyncio.to_thread(worker_infos, app)
-    alive = {i["pid"] for i in end.values()}
+    alive = {i["pid"] for i in end.values()} | {pid for pid, role in roles.items() if role == "ingress"}
     report.rss_warm = {pid: b for pid, b in rss_warm.items() if b and pid in alive}
     report.rss_end = {pid: b for pid in report.rss_warm if (b := rss_bytes(pid))}
+    report.roles = roles
+    report.died = [pid for pid, role in roles.items() if role == "worker" and rss_bytes(pid) is None]
     return report
 
 
@@ -515,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kill", action="store_true", help="do not kill a worker replica halfway")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000)
+    p.add_argument("--stall-hold-s", type=float, default=10.0,
+                   help="how long a non-reading stream's client holds it unread before closing")
+    p.add_argument("--outcomes", help="write every request's outcome to this file (JSON lines)")
     args = p.parse_args(argv)
     from cluster.launch import start_serve, wait_ready
     from worker.models import build_tiny_model, default_model_path
@@ -524,8 +535,12 @@ def main(argv: list[str] | None = None) -> int:
     wait_ready("127.0.0.1", cfg.server.http_port, 300.0)
     report = asyncio.run(soak_deployment(
         f"http://127.0.0.1:{cfg.server.http_port}", f"127.0.0.1:{cfg.server.grpc_port}", cfg.app_name,
-        requests=args.requests, concurrency=args.concurrency, seed=args.seed, kill=not args.no_kill))
+        requests=args.requests, concurrency=args.concurrency, seed=args.seed, kill=not args.no_kill,
+        limits=cfg.limits, stall_hold_s=args.stall_hold_s))
     print(report.render())
+    if args.outcomes:
+        with open(args.outcomes, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(asdict(o)) + "\n" for o in report.outcomes)
     bad = report.violations()
     for line in bad[:50]:
         print("VIOLATION", line)
