@@ -20,6 +20,7 @@ from cluster.grpc_convert import delta_pb, processors_pb, prompt_from_pb, respon
 from cluster.grpc_servicers import MalformedRequest
 from cluster.limits import PayloadTooLarge
 from worker.outputs import OutputAccumulator
+from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
 
@@ -64,10 +65,15 @@ class GrpcAdapter:
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         return rid, ids, params
 
+    def _scheduling(self, request: pb.GenerateRequest, ctx: RayServegRPCContext, engine_id: str) -> Scheduling:
+        """One group per call, under its API key's tenant (as HTTP)."""
+        return self.frontend.scheduling(_authorization(ctx), engine_id, request.priority)
+
     async def generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
         try:
             rid, ids, params = await self._prepare(request, grpc_context)
-            out = await self.frontend.run(_engine_id(rid), ids, params)
+            engine_id = _engine_id(rid)
+            out = await self.frontend.run(engine_id, ids, params, self._scheduling(request, grpc_context, engine_id))
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc", [out])
@@ -78,11 +84,13 @@ class GrpcAdapter:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
             rid, ids, params = await self._prepare(request, grpc_context)
+            engine_id = _engine_id(rid)
+            sched = self._scheduling(request, grpc_context, engine_id)
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         acc = OutputAccumulator()
         try:
-            async for delta in self.frontend.stream_deltas(_engine_id(rid), ids, params):
+            async for delta in self.frontend.stream_deltas(engine_id, ids, params, sched):
                 total = acc.add(delta)
                 if delta.finished:
                     total.prompt_token_ids = ids  # deltas arrive without the prompt
