@@ -22,7 +22,6 @@ first to go when blocks run short) and rejoins, with no recompute, when resumed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from worker import fairness
 from worker.fairness import Shares, WaitingQueue
@@ -30,10 +29,6 @@ from worker.kv.manager import KVCacheManager
 from worker.request import Request
 
 
-class _Admit(Enum):
-    OK = "ok"
-    NO_KV = "no KV blocks"
-    PREFIX_IN_FLIGHT = "its prefix is being computed"
 
 
 @dataclass(frozen=True)
@@ -191,27 +186,27 @@ class Scheduler:
 
         fcfs / priority stop at the first sequence that does not fit (as vLLM); fair skips a
         group whose shared prefix is still being computed, and preempts for a sequence below its
-        share (worker.fairness.fair_victim) rather than stop."""
+        share (worker.fairness.fair_victim) rather than stop. A group preempted from is not
+        admitted again in the same step (its rows are leaving the batch)."""
         blocked: set[fairness.GroupKey] = set()
         while self.waiting and self._budget > 0:
             req = fairness.pick(self.policy, self.waiting, self._shares, blocked)
             if req is None:
                 return
-            if len(self.running) >= self.max_num_seqs:
-                if self._preempt_for(req, out):
-                    continue
-                return
-            result = self._admit(req, out)
-            if result is _Admit.OK:
-                continue
-            if result is _Admit.PREFIX_IN_FLIGHT and self.policy == "fair":
+            hits = self._cache_hits(req)
+            if hits is None:
+                if self.policy != "fair":
+                    return
                 blocked.add(fairness.group_key(req))
-            elif result is _Admit.NO_KV and (self._evict_paused() or self._preempt_for(req, out)):
-                continue
-            else:
+            elif len(self.running) >= self.max_num_seqs:
+                if not self._preempt_for(req, out, blocked):
+                    return
+            elif not self._admit(req, hits, out) and not (
+                self._evict_paused() or self._preempt_for(req, out, blocked)
+            ):
                 return
 
-    def _preempt_for(self, req: Request, out: SchedulerOutput) -> bool:
+    def _preempt_for(self, req: Request, out: SchedulerOutput, blocked: set[fairness.GroupKey]) -> bool:
         """Fair policy: preempt one sequence over its share for ``req`` (below its own)."""
         if self._shares is None:
             return False
@@ -219,6 +214,7 @@ class Scheduler:
         if victim is None:
             return False
         self._preempt(victim, out)
+        blocked.add(fairness.group_key(victim))
         self.num_fair_preemptions += 1
         return True
 
@@ -233,23 +229,28 @@ class Scheduler:
                 return True
         return False
 
-    def _admit(self, req: Request, out: SchedulerOutput) -> _Admit:
-        """Admit ``req`` (the head of its group) if KV blocks allow its first chunk."""
+    def _cache_hits(self, req: Request) -> list[int] | None:
+        """The cached blocks ``req`` may start from; None while another sequence is computing the
+        next block of its prefix (see _prefix_in_flight)."""
         # Prompt logprobs need every prompt position's logits: no cached prefix (as vLLM).
-        hits = [] if req.computes_prompt_logprobs else self.kv.computed_prefix(req)
-        if not req.computes_prompt_logprobs and self._prefix_in_flight(req, len(hits)):
-            return _Admit.PREFIX_IN_FLIGHT
+        if req.computes_prompt_logprobs:
+            return []
+        hits = self.kv.computed_prefix(req)
+        return None if self._prefix_in_flight(req, len(hits)) else hits
+
+    def _admit(self, req: Request, hits: list[int], out: SchedulerOutput) -> bool:
+        """Admit ``req`` (the head of its group) if KV blocks allow its first chunk."""
         cached = len(hits) * self.kv.block_size
         n = min(req.num_tokens - cached, self._budget)
         if not self.kv.allocate(req, n, hits):
-            return _Admit.NO_KV
+            return False
         self.kv.record_lookup(req.num_tokens, cached)
         self.waiting.remove(req)
         self.running.append(req)
         if self._shares is not None:
             self._shares.add(req)
         self._put(out, req, n)
-        return _Admit.OK
+        return True
 
     def _prefix_in_flight(self, req: Request, num_hits: int) -> bool:
         """True if a prefilling sequence is computing the block that would extend ``req``'s cache hit.
