@@ -11,7 +11,6 @@ from typing import Literal, get_args
 
 from worker.sampling_params import DEFAULT_MAX_LOGPROBS
 
-
 # worker.fairness implements them.
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)

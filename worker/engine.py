@@ -232,8 +232,10 @@ class LLMEngine:
         return len(self.scheduler.paused)
 
     def kv_stats(self) -> dict[str, float]:
-        """KV pool and prefix-cache counters for /metrics (blocks, hit rate, preemptions)."""
-        return {**self.kv.stats(), "num_preemptions": self.scheduler.num_preemptions}
+        """KV pool and prefix-cache counters for /metrics (blocks, hit rate, preemptions; those
+        that gave a sequence below its fair share a row, worker.fairness)."""
+        return {**self.kv.stats(), "num_preemptions": self.scheduler.num_preemptions,
+                "num_fair_preemptions": self.scheduler.num_fair_preemptions}
 
     def batch_request_ids(self) -> list[str]:
         """The user request id of every row of the persistent batch, in row order."""

@@ -26,9 +26,11 @@ import math
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from worker.config import SCHEDULING_POLICIES as POLICIES
+
+from worker.config import SCHEDULING_POLICIES
 from worker.request import Request
 
+POLICIES = SCHEDULING_POLICIES
 GroupKey = tuple[str, str]  # (tenant, group)
 
 

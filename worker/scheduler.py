@@ -6,10 +6,11 @@ blocks for their next chunk. A new request first takes the longest cached prefix
 (prefix caching) and prefills only the rest, in chunks mixed into the same forward as the decode
 rows; it joins the persistent batch (and is sampled) in the step that computes its last chunk.
 
-When a running sequence needs a block and none is free, the most recently admitted sequences
-are preempted by recomputation: their blocks are freed, they leave the persistent batch (the
-processors see the removal) and go back to the front of the queue; on resumption they prefill
-prompt + output so far and rejoin the batch with the same live output list.
+When a running sequence needs a block and none is free, other sequences are preempted by
+recomputation (the newest admitted, unless the policy says otherwise): their blocks are freed,
+they leave the persistent batch (the processors see the removal) and go back to the front of
+the queue; on resumption they prefill prompt + output so far and rejoin the batch with the same
+live output list.
 
 Which waiting sequence comes next, and which running one is preempted, is the policy's
 (worker.fairness): by default fair between tenants and client requests, so one request holding
@@ -27,8 +28,6 @@ from worker import fairness
 from worker.fairness import Shares, WaitingQueue
 from worker.kv.manager import KVCacheManager
 from worker.request import Request
-
-
 
 
 @dataclass(frozen=True)

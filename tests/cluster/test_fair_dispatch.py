@@ -15,7 +15,7 @@ from cluster.frontend import Frontend, tenant_id
 from cluster.grpc_service import GrpcAdapter
 from cluster.limits import Limits
 from tests.cluster.fake_engine import FakeEngine
-from tests.cluster.test_frontend_local import KEY, _ctx, cfg, fe, http, worker  # noqa: F401 - fixtures
+from tests.cluster.test_frontend_local import KEY, _ctx, cfg, fe, http, worker  # noqa: F401,F811 - fixtures
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
