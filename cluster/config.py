@@ -49,6 +49,13 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?|mps)$")
 _ENV_NAME = re.compile(rf"^{_IDENT}$")
 
 
+# Worker calls (one per prompt) a replica takes per batch row by default: past its rows they wait in
+# the engine, whose admission is fair between requests and API keys (worker.fairness), rather than
+# in Serve's router queue, first come first served, where one request of limits.max_prompts
+# prompts could fill a batch-sized limit and hold every other caller back.
+WORKER_CALLS_PER_ROW = 4
+
+
 class _Frozen(BaseModel):
     """Immutable, and strict about keys: an unknown key is an error, not a no-op."""
 
@@ -71,6 +78,7 @@ ENGINE_JSON_SCHEMA: dict[str, dict[str, Any]] = {
     "block_size": {"minimum": 1},
     "kv_cache_bytes": {"minimum": 1},
     "kv_cache_memory_fraction": {"exclusiveMinimum": 0, "maximum": 1},
+    "stream_buffer_outputs": {"minimum": 2},
 }
 
 
@@ -140,7 +148,7 @@ class WorkerDeploymentConfig(_Frozen):
     num_gpus: NonNegativeFloat = 0.0
     num_cpus: NonNegativeFloat = 1.0
     max_ongoing_requests: PositiveInt | None = None
-    """None = the engine's max_num_seqs; Serve's default (5) would cap the batch."""
+    """None = WORKER_CALLS_PER_ROW x the engine's max_num_seqs; Serve's default (5) would cap the batch."""
     max_queued_requests: QueueLimit = 256
     stream_interval_s: NonNegativeFloat = 0.05
     """After a stream's first token, deltas are merged and sent at most this often (0 = every
@@ -243,7 +251,7 @@ class LogitpoolConfig(_Frozen):
     @property
     def worker_max_ongoing_requests(self) -> int:
         """The effective per-replica concurrency of `LogitpoolWorker`."""
-        return self.workers.max_ongoing_requests or self.engine.max_num_seqs
+        return self.workers.max_ongoing_requests or WORKER_CALLS_PER_ROW * self.engine.max_num_seqs
 
     def resolve_api_keys(self, environ: Mapping[str, str]) -> tuple[str, ...]:
         """Accepted keys: `api_keys` plus the comma-separated keys in `environ[api_key_env]`.

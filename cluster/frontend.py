@@ -10,6 +10,7 @@ request never reaches a worker, and the worker receives token ids (see cluster.w
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ from cluster.openai_protocol import ChatMessage, fit_to_context, render_chat
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.models import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput
+from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 from worker.validation import RequestValidator
 
@@ -95,6 +97,14 @@ class Frontend:
         """Raise Unauthenticated unless the credentials are accepted (or auth is off)."""
         self.api_keys.check(authorization)
 
+    def scheduling(self, authorization: str | None, group: str, priority: int = 0) -> Scheduling:
+        """Whose a request is, for the workers' fair admission: ``group`` (one per client request)
+        under the tenant of its API key, a non-secret id (`tenant_id`); "" when keys are off."""
+        if priority != 0 and self.cfg.engine.scheduling_policy == "fcfs":
+            raise ValueError(f"priority: got {priority} but engine.scheduling_policy is fcfs (use fair or priority)")
+        tenant = tenant_id(authorization) if self.api_keys.enabled else ""
+        return Scheduling(group=group, tenant=tenant, priority=priority)
+
     def check_model(self, model: object) -> None:
         """A request may omit `model`; naming another one is a 404 (vLLM's answer)."""
         if isinstance(model, str) and model != self.model_name:
@@ -154,7 +164,9 @@ class Frontend:
         """One token's text, special tokens kept (logprobs' `token` fields, both protocols)."""
         return self._backend.decode([tok], skip_special_tokens=False)
 
-    async def stream_deltas(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def stream_deltas(
+        self, request_id: str, ids: list[int], params: SamplingParams, scheduling: Scheduling | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Delta outputs from a worker; each wait bounded by the request timeout.
 
         A replica that is gone or whose engine died before sending anything is not the
@@ -163,7 +175,7 @@ class Frontend:
         """
         deadline = time.monotonic() + self.timeout_s
         for attempt in range(REPLICA_RETRIES + 1):
-            gen = self._worker.options(method_name="generate", stream=True).remote(request_id, ids, params)
+            gen = self._worker.options(method_name="generate", stream=True).remote(request_id, ids, params, scheduling)
             it = gen.__aiter__()
             started = False
             try:
@@ -191,11 +203,13 @@ class Frontend:
                 gen.cancel()
             await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * (attempt + 1))
 
-    async def run(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestOutput:
+    async def run(
+        self, request_id: str, ids: list[int], params: SamplingParams, scheduling: Scheduling | None = None
+    ) -> RequestOutput:
         """The whole output of one request (its deltas accumulated), prompt ids included."""
         acc = OutputAccumulator()
         out: RequestOutput | None = None
-        async for delta in self.stream_deltas(request_id, ids, params):
+        async for delta in self.stream_deltas(request_id, ids, params, scheduling):
             out = acc.add(delta)
         if out is None or not out.finished:
             raise RequestFailed("worker stream ended before the request finished")
@@ -219,3 +233,10 @@ class Frontend:
     async def workers_ready(self) -> bool:
         """True while at least one worker replica's engine loop is alive and stepping."""
         return pool_stats.any_alive(await self.pool())
+
+
+def tenant_id(authorization: str | None) -> str:
+    """A non-secret id of an accepted API key: 12 hex digits of its SHA-256 (the same on every
+    ingress replica, and it reveals nothing of a key that is not already guessable)."""
+    token = (authorization or "").partition(" ")[2].strip()
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:12]

@@ -25,6 +25,7 @@ from cluster.grpc_convert import delta_pb, processors_pb, prompt_from_pb, respon
 from cluster.grpc_servicers import GrpcRejected, WireRequest, install_rejection_logging, one_line
 from cluster.limits import PayloadTooLarge
 from worker.outputs import OutputAccumulator
+from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=Message)
@@ -87,20 +88,26 @@ class GrpcAdapter:
 
     async def _prepare(
         self, request: Request[pb.GenerateRequest], ctx: RayServegRPCContext
-    ) -> tuple[str, list[int], SamplingParams]:
-        """The HTTP side's order: key, size, parse, model, then the request itself."""
+    ) -> tuple[str, list[int], SamplingParams, int]:
+        """The HTTP side's order: key, size, parse, model, then the request itself; returns the
+        request id, prompt ids, params and the request's priority."""
         self.frontend.authorize(_authorization(ctx))
         msg = self._message(request, pb.GenerateRequest)
         self.frontend.check_model(msg.model if msg.HasField("model") else None)
         params = sampling_params_from_pb(msg.params)
         (ids,) = await self.frontend.prepare(params, [prompt_from_pb(msg)])
         rid = msg.request_id if msg.HasField("request_id") else uuid.uuid4().hex
-        return rid, ids, params
+        return rid, ids, params, msg.priority
+
+    def _scheduling(self, priority: int, ctx: RayServegRPCContext, engine_id: str) -> Scheduling:
+        """One group per call, under its API key's tenant (as HTTP)."""
+        return self.frontend.scheduling(_authorization(ctx), engine_id, priority)
 
     async def generate(self, request: Request[pb.GenerateRequest], grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
         try:
-            rid, ids, params = await self._prepare(request, grpc_context)
-            out = await self.frontend.run(_engine_id(rid), ids, params)
+            rid, ids, params, priority = await self._prepare(request, grpc_context)
+            engine_id = _engine_id(rid)
+            out = await self.frontend.run(engine_id, ids, params, self._scheduling(priority, grpc_context, engine_id))
             response = self._fits(response_pb(rid, out, self.frontend.decode_token))
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
@@ -111,12 +118,14 @@ class GrpcAdapter:
         self, request: Request[pb.GenerateRequest], grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
-            rid, ids, params = await self._prepare(request, grpc_context)
+            rid, ids, params, priority = await self._prepare(request, grpc_context)
+            engine_id = _engine_id(rid)
+            sched = self._scheduling(priority, grpc_context, engine_id)
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         acc = OutputAccumulator()
         try:
-            async for delta in self.frontend.stream_deltas(_engine_id(rid), ids, params):
+            async for delta in self.frontend.stream_deltas(engine_id, ids, params, sched):
                 total = acc.add(delta)
                 if delta.finished:
                     total.prompt_token_ids = ids  # deltas arrive without the prompt

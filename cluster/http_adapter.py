@@ -57,6 +57,7 @@ from cluster.openai_protocol import (
     usage_chunk,
 )
 from worker.outputs import RequestOutput
+from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
@@ -119,6 +120,10 @@ class HttpAdapter:
             self.frontend.check_model(body.get("model"))
         return model.model_validate(body)
 
+    def _scheduling(self, request: Request, rid: str, body: CompletionRequest | ChatCompletionRequest) -> Scheduling:
+        """One group per client request (every prompt of a batch), under its API key's tenant."""
+        return self.frontend.scheduling(request.headers.get("authorization"), rid, body.priority)
+
     def denied(self, request: Request) -> Response | None:
         """The 401 response when the API key is missing or wrong, else None."""
         try:
@@ -131,20 +136,21 @@ class HttpAdapter:
 
     async def completions(self, request: Request) -> Response:
         fe = self.frontend
+        rid = new_id("cmpl")
         try:
             body = await self._parse(request, CompletionRequest)
             params = body.sampling_params()
             raw = body.prompts()
             shape = ResponseShape(prompt_logprobs_per_choice=not body.stream, echo=body.echo)
             prompts = await fe.prepare(params, raw, shape)
+            sched = self._scheduling(request, rid, body)
         except Exception as exc:
             return self.error(exc)
-        rid = new_id("cmpl")
         if body.stream:
-            return StreamingResponse(self._stream_completions(rid, prompts, params, body, raw),
+            return StreamingResponse(self._stream_completions(rid, prompts, params, body, raw, sched),
                                      media_type="text/event-stream")
         try:
-            outs = await asyncio.gather(*(fe.run(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)))
+            outs = await asyncio.gather(*(fe.run(f"{rid}-{i}", ids, params, sched) for i, ids in enumerate(prompts)))
         except Exception as exc:
             return self.error(exc)
         fe.count_ok("http", outs)
@@ -170,14 +176,14 @@ class HttpAdapter:
 
     async def _stream_completions(
         self, rid: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest,
-        raw: list[str | list[int]],
+        raw: list[str | list[int]], sched: Scheduling | None = None,
     ) -> AsyncIterator[str]:
         fe = self.frontend
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for delta in fe.stream_deltas(f"{rid}-{i}", ids, params):
+                async for delta in fe.stream_deltas(f"{rid}-{i}", ids, params, sched):
                     await queue.put((i, delta))
                 await queue.put((i, None))
             except BaseException as exc:  # noqa: BLE001 - forwarded to the client stream
@@ -228,18 +234,20 @@ class HttpAdapter:
 
     async def chat_completions(self, request: Request) -> Response:
         fe = self.frontend
+        rid = new_id("chatcmpl")
         try:
             body = await self._parse(request, ChatCompletionRequest)
             params = body.sampling_params()
             ids = await fe.prepare_chat(params, body.messages)
+            sched = self._scheduling(request, rid, body)
         except Exception as exc:
             return self.error(exc)
-        rid = new_id("chatcmpl")
         top_n = body.top_logprobs or 0
         if body.stream:
-            return StreamingResponse(self._stream_chat(rid, ids, params, top_n, body), media_type="text/event-stream")
+            return StreamingResponse(self._stream_chat(rid, ids, params, top_n, body, sched),
+                                     media_type="text/event-stream")
         try:
-            out = await fe.run(rid, ids, params)
+            out = await fe.run(rid, ids, params, sched)
         except Exception as exc:
             return self.error(exc)
         fe.count_ok("http", [out])
@@ -250,13 +258,14 @@ class HttpAdapter:
         return StrictJSONResponse(chat_response(rid, fe.model_name, out, *args))
 
     async def _stream_chat(
-        self, rid: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest
+        self, rid: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest,
+        sched: Scheduling | None = None,
     ) -> AsyncIterator[str]:
         fe = self.frontend
         first: set[int] = set()
         n_tokens, created = 0, now()
         try:
-            async for delta in fe.stream_deltas(rid, ids, params):
+            async for delta in fe.stream_deltas(rid, ids, params, sched):
                 for c in delta.outputs:
                     n_tokens += len(c.token_ids)
                     yield sse(chat_chunk(rid, fe.model_name, c, fe.decode_token, top_n, c.index not in first,

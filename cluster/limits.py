@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
 
 if TYPE_CHECKING:
     from worker.sampling_params import SamplingParams
@@ -56,6 +56,10 @@ class Limits(BaseModel):
     max_n: PositiveInt = 64
     max_prompts: PositiveInt = 64
     """Prompts in one completions request (a batch)."""
+    max_sequences_per_request: PositiveInt = 256
+    """Sequences one request asks the engine for: prompts x `n`. Each takes a batch row while it
+    runs; the engine's admission is fair between requests, and this bounds how much one may queue.
+    `max_n` and `max_prompts` may not exceed it (a limit that could never be reached)."""
     max_stop: PositiveInt = 32
     """Stop strings in `stop`, and likewise words in `bad_words`."""
     max_stop_chars: PositiveInt = 512
@@ -82,6 +86,14 @@ class Limits(BaseModel):
     def grpc_message_bytes(self) -> int:
         """The gRPC message bound in effect: a request within max_body_bytes always fits."""
         return max(self.max_grpc_message_bytes, self.max_body_bytes)
+
+    @model_validator(mode="after")
+    def _sequences_cover_n_and_prompts(self) -> Limits:
+        for name in ("max_n", "max_prompts"):
+            if getattr(self, name) > self.max_sequences_per_request:
+                raise ValueError(f"limits.{name} ({getattr(self, name)}) must be <= limits.max_sequences_per_request "
+                                 f"({self.max_sequences_per_request})")
+        return self
 
 
 def check_body(limits: Limits, body: bytes) -> None:
@@ -211,12 +223,22 @@ def _check_words(limits: Limits, field: str, words: list[str]) -> None:
             raise _over(field, "characters", len(w), "max_stop_chars", limits.max_stop_chars)
 
 
+def check_sequences(limits: Limits, n: int, num_prompts: int) -> None:
+    """prompts x n sequences within limits.max_sequences_per_request."""
+    if n * num_prompts > limits.max_sequences_per_request:
+        raise ValueError(
+            f"n: {num_prompts} prompts x n {n} = {n * num_prompts} sequences exceeds "
+            f"limits.max_sequences_per_request ({limits.max_sequences_per_request})"
+        )
+
+
 def check_request(limits: Limits, params: SamplingParams, num_prompts: int) -> None:
     """The limits on a converted request; the same for HTTP and gRPC."""
     if num_prompts > limits.max_prompts:
         raise _over("prompt", "prompts", num_prompts, "max_prompts", limits.max_prompts)
     if params.n > limits.max_n:
         raise _over("n", "completions", params.n, "max_n", limits.max_n)
+    check_sequences(limits, params.n, num_prompts)
     _check_words(limits, "stop", list(params.stop or ()))
     _check_words(limits, "bad_words", list(params.bad_words or ()))
     if params.logit_bias and len(params.logit_bias) > limits.max_logit_bias:

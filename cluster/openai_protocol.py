@@ -70,6 +70,9 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's extension: logprobs of the prompt tokens (response field `prompt_logprobs`).
     prompt_logprobs: int | None = None
+    # vLLM's extension: lower is admitted sooner (worker.fairness: among one API key's requests,
+    # never beyond a fair share while others wait). The gRPC field's range.
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     # Structured outputs: at most one (cluster/openai_structured.py).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -34,6 +34,7 @@ from cluster.replica_bind import bind_replica_grpc_to_node_ip
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.outputs import OutputAccumulator, RequestOutput
+from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
 # How many received request ids a replica remembers (for operators and tests).
@@ -60,7 +61,8 @@ class ServedEngine(Protocol):
     """The synchronous core: `runner.kv_cache_bytes` and `processors.describe()` are read."""
 
     def generate(
-        self, request_id: str, prompt: list[int] | str, params: SamplingParams, *, delta: bool = False
+        self, request_id: str, prompt: list[int] | str, params: SamplingParams, *, delta: bool = False,
+        scheduling: Scheduling | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     @property
@@ -98,21 +100,26 @@ class LogitpoolWorker:
         self._leaving_task: asyncio.Task[None] | None = None
 
     async def generate(
-        self, request_id: str, prompt: list[int] | str, params: SamplingParams
+        self, request_id: str, prompt: list[int] | str, params: SamplingParams, scheduling: Scheduling | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream delta RequestOutputs (without the prompt); cancelling the call aborts the request.
+
+        ``scheduling`` (the client request's group, the API key's tenant id, priority) is what the
+        engine's fair admission orders by (worker.fairness).
 
         Every streamed item crosses Ray (and then the proxy) at a CPU cost of its own: after the
         first token, deltas are merged and sent at most every ``_interval()`` (and always when
         the request finishes), so the replica's message rate stays bounded however many
-        streams it runs — otherwise more streams mean slower steps, hence less merging.
+        streams it runs — otherwise more streams mean slower steps, hence less merging. What
+        this generator has not taken yet is bounded by the engine (stream_buffer_outputs, then the
+        request pauses); Serve takes every item at once and buffers it in the caller.
         """
         self._leave_if_dead()
         self._seen.append(request_id)
         self._num_requests += 1
         window = OutputAccumulator()  # the deltas not sent yet, merged
         last_sent = float("-inf")
-        async for out in self.engine.generate(request_id, prompt, params, delta=True):
+        async for out in self.engine.generate(request_id, prompt, params, delta=True, scheduling=scheduling):
             merged = window.add(out)
             now = time.monotonic()
             if merged.finished or now - last_sent >= self._interval():

@@ -5,6 +5,10 @@ step's outputs to the event loop with ``call_soon_threadsafe``: streaming the ou
 overlaps with computing step t+1, so the event loop never stalls the batch. Requests and aborts
 go through the engine's inbox. A consumer that stops iterating aborts its request; it leaves
 the batch at the next step.
+
+A consumer that falls behind does not make its stream buffer without bound: once
+``EngineConfig.stream_buffer_outputs`` outputs wait undelivered, its request is paused (out of
+the batch, KV kept; the other requests go on) and it resumes when half of them are taken.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
 from worker.models import LoadedModel
 from worker.outputs import OutputAccumulator, RequestOutput
+from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,6 +35,15 @@ _IDLE_WAIT_S = 0.5
 
 # The engine loop counts as stalled when it has not come round for this long while it has work.
 STALL_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _Stream:
+    """One request's outputs on their way to its consumer (event-loop side only)."""
+
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    undelivered: int = 0
+    paused: bool = False
 
 
 class EngineDeadError(RuntimeError):
@@ -50,12 +64,14 @@ class EngineStats:
     kv: dict[str, float] = field(default_factory=dict)  # LLMEngine.kv_stats() where available
     # The user request id of every row of the persistent batch after the last step, in row order.
     batch_request_ids: tuple[str, ...] = ()
+    # Sequences out of the batch because their stream's consumer is behind.
+    num_paused: int = 0
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
         self.engine = LLMEngine(config, loaded=loaded)
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._work = threading.Event()
@@ -102,28 +118,30 @@ class AsyncEngine:
             restarts=eng.num_restarts,
             kv=dict(eng.kv_stats()),
             batch_request_ids=tuple(eng.batch_request_ids()),
+            num_paused=eng.num_paused,
         )
 
     def validate(self, params: SamplingParams) -> None:
         self.engine.validate(params)
 
     async def generate(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, *, delta: bool = False
+        self, request_id: str, prompt: Prompt, params: SamplingParams, *, delta: bool = False,
+        scheduling: Scheduling | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request: cumulative by default, or per-step deltas.
 
-        Raises ValueError before admission when the request is invalid.
+        ``scheduling``: its group, tenant and priority for fair admission. Raises ValueError
+        before admission when the request is invalid.
         """
         if self.dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self.dead!r}")
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if params.structured_outputs is None:
-            parent = self.engine.prepare(request_id, prompt, params)
+            parent = self.engine.prepare(request_id, prompt, params, scheduling)
         else:  # compiling a grammar (time-bounded, cached) must not hold up the event loop
-            parent = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params)
-        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = q
+            parent = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params, scheduling)
+        stream = self._streams[request_id] = _Stream()
         self._ensure_thread()
         self.engine.add_prepared(parent)
         self._work.set()
@@ -131,16 +149,25 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await q.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                self._delivered(request_id, stream)
                 finished = item.finished
                 yield item if delta else acc.add(item)
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
                 self.engine.abort_request(request_id)
                 self._work.set()
+
+    def _delivered(self, request_id: str, stream: _Stream) -> None:
+        """One output taken by the consumer: a paused request resumes once half the bound is."""
+        stream.undelivered -= 1
+        if stream.paused and stream.undelivered <= self.config.stream_buffer_outputs // 2:
+            stream.paused = False
+            self.engine.resume_request(request_id)
+            self._work.set()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -157,7 +184,7 @@ class AsyncEngine:
         assert loop is not None
         while not self._stopping:
             self.heartbeat = time.monotonic()
-            if not self.engine.has_unfinished():
+            if not self.engine.has_work():  # nothing, or only paused requests
                 self._work.wait(_IDLE_WAIT_S)
                 self._work.clear()
                 continue
@@ -173,14 +200,21 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams; pause a request whose consumer is too far behind."""
+        limit = self.config.stream_buffer_outputs
         for out in outputs:
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(out)
+            stream.undelivered += 1
+            if stream.undelivered >= limit and not stream.paused and not out.finished:
+                stream.paused = True
+                self.engine.pause_request(out.request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for q in self._queues.values():
-            q.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
 
     async def shutdown(self) -> None:
         self._stopping = True

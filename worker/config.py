@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from worker.sampling_params import DEFAULT_MAX_LOGPROBS
+
+# worker.fairness implements them.
+SchedulingPolicy = Literal["fair", "priority", "fcfs"]
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,13 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9
     # Reuse the KV of cached full blocks for requests sharing a prefix (chat turns, n > 1).
     enable_prefix_caching: bool = True
+    # Who is admitted next (worker.fairness): "fair" between API keys, then client requests (a
+    # request holding every row gives way to a newcomer within a step; `priority` orders a key's
+    # own requests); "priority" = vLLM's (priority, arrival); "fcfs" = arrival order.
+    scheduling_policy: SchedulingPolicy = "fair"
+    # AsyncEngine: outputs (one per step) a stream may hold undelivered before its request is
+    # paused (out of the batch, KV kept); it resumes once its consumer has taken half of them.
+    stream_buffer_outputs: int = 64
 
     def as_kwargs(self) -> dict[str, object]:
         """Plain fields for another process (processors by name only: no code travels)."""
@@ -70,5 +82,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes: must be >= 1, got {self.kv_cache_bytes}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.stream_buffer_outputs < 2:
+            raise ValueError(f"stream_buffer_outputs: must be >= 2, got {self.stream_buffer_outputs}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")

@@ -31,7 +31,7 @@ from worker.models import LoadedModel, build_tiny_model, default_model_path, loa
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.reorder import tail_swaps
-from worker.request import Request
+from worker.request import Request, Scheduling
 from worker.runner import ModelRunner, ScheduledSeq, num_blocks_for
 from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
 from worker.sampling_params import SamplingParams
@@ -97,7 +97,8 @@ class LLMEngine:
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, kv=self.kv
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, kv=self.kv,
+            policy=config.scheduling_policy,
         )
         self._build_batch_state()
         self._parents: dict[str, _Parent] = {}
@@ -131,9 +132,16 @@ class LLMEngine:
         """Standard validation plus every loaded processor's ``validate_params`` (ValueError)."""
         self.validator.validate(params)
 
-    def prepare(self, request_id: str | None, prompt: Prompt, params: SamplingParams) -> _Parent:
-        """Validate and build a request without admitting it (so a batch can be checked first)."""
+    def prepare(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams, scheduling: Scheduling | None = None
+    ) -> _Parent:
+        """Validate and build a request without admitting it (so a batch can be checked first).
+
+        ``scheduling``: its group, tenant and priority for fair admission (default: a group of its own).
+        """
         self.validate(params)
+        scheduling = scheduling or Scheduling()
+        self._check_scheduling(scheduling)
         ids = self.validator.tokenize(prompt)
         need = min(len(ids) + params.max_tokens, self.max_model_len)
         if need > self.kv.capacity_tokens:
@@ -154,7 +162,8 @@ class LLMEngine:
             detok = IncrementalDetokenizer(
                 self._backend, ids, stop=child_params.stop, skip_special_tokens=child_params.skip_special_tokens
             )
-            child = Request(child_id, request_id, i, ids, child_params, detok)
+            child = Request(child_id, request_id, i, ids, child_params, detok, group=scheduling.group or request_id,
+                            tenant=scheduling.tenant, priority=scheduling.priority)
             if child_params.seed is not None:
                 child.generator = seeded_generator(child_params.seed, self.device)
             children.append(child)
@@ -166,19 +175,42 @@ class LLMEngine:
             children[0].computes_prompt_logprobs = len(ids) > 1
         return parent
 
+    def _check_scheduling(self, scheduling: Scheduling) -> None:
+        p = scheduling.priority
+        if not isinstance(p, int) or isinstance(p, bool):
+            raise ValueError(f"priority: must be an integer, got {p!r}")
+        if p != 0 and self.config.scheduling_policy == "fcfs":
+            raise ValueError(f"priority: got {p} but the engine's scheduling_policy is fcfs (use fair or priority)")
+        if not isinstance(scheduling.group, str) or not isinstance(scheduling.tenant, str):
+            raise ValueError("scheduling: group and tenant must be strings")
+
     def add_prepared(self, parent: _Parent) -> None:
         self._inbox.put(("add", parent))
 
-    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams) -> str:
-        parent = self.prepare(request_id, prompt, params)
+    def add_request(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams, scheduling: Scheduling | None = None
+    ) -> str:
+        parent = self.prepare(request_id, prompt, params, scheduling)
         self.add_prepared(parent)
         return parent.request_id
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def pause_request(self, request_id: str) -> None:
+        """Stop stepping a request (its consumer is behind): its sequences leave the batch and keep
+        their KV until blocks run short; ``resume_request`` brings them back."""
+        self._inbox.put(("pause", request_id))
+
+    def resume_request(self, request_id: str) -> None:
+        self._inbox.put(("resume", request_id))
+
     def has_unfinished(self) -> bool:
         return bool(self._parents) or not self._inbox.empty()
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: unfinished requests that are not all paused."""
+        return self.scheduler.has_work() or not self._inbox.empty()
 
     @property
     def num_running(self) -> int:
@@ -194,9 +226,16 @@ class LLMEngine:
         """Sequences queued for admission."""
         return len(self.scheduler.waiting)
 
+    @property
+    def num_paused(self) -> int:
+        """Sequences held out of the batch because their consumer is behind."""
+        return len(self.scheduler.paused)
+
     def kv_stats(self) -> dict[str, float]:
-        """KV pool and prefix-cache counters for /metrics (blocks, hit rate, preemptions)."""
-        return {**self.kv.stats(), "num_preemptions": self.scheduler.num_preemptions}
+        """KV pool and prefix-cache counters for /metrics (blocks, hit rate, preemptions; those
+        that gave a sequence below its fair share a row, worker.fairness)."""
+        return {**self.kv.stats(), "num_preemptions": self.scheduler.num_preemptions,
+                "num_fair_preemptions": self.scheduler.num_fair_preemptions}
 
     def batch_request_ids(self) -> list[str]:
         """The user request id of every row of the persistent batch, in row order."""
@@ -227,6 +266,12 @@ class LLMEngine:
                 parent = self._parents.get(str(item))
                 for child in parent.children if parent else ():
                     self._finish(child, FinishReason.ABORT)
+            else:  # pause / resume
+                parent = self._parents.get(str(item))
+                act = self.scheduler.pause if kind == "pause" else self.scheduler.resume
+                for child in parent.children if parent else ():
+                    if not child.finished:
+                        act(child)
 
     # -- the step ------------------------------------------------------------------------
 

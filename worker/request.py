@@ -12,6 +12,18 @@ from worker.outputs import FinishReason, PositionLogprobs
 from worker.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class Scheduling:
+    """Whose a request is, for fair admission (worker.fairness): every sequence of one client
+    request shares a ``group`` (a multi-prompt completion's prompts too), groups are nested in a
+    ``tenant`` (a non-secret id of the API key; "" when keys are off), and ``priority`` orders a
+    tenant's own groups (vLLM's field: lower is sooner, default 0)."""
+
+    group: str = ""  # "" = the request's own id
+    tenant: str = ""
+    priority: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str  # unique engine-side id (the parent's id, suffixed for n > 1)
@@ -39,6 +51,15 @@ class Request:
     error: str | None = None
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # Fair admission (worker.fairness): the client request and API key this sequence belongs to.
+    group: str = ""
+    tenant: str = ""
+    priority: int = 0
+    # Position in the waiting queue (worker.fairness.WaitingQueue sets it), and in arrival order.
+    order: int = 0
+    arrival: int = 0
+    # Held out of the batch because its consumer is behind (AsyncEngine's stream bound).
+    paused: bool = False
     # What the last step produced, handed out once as a delta.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[PositionLogprobs] = field(default_factory=list)

@@ -6,17 +6,26 @@ blocks for their next chunk. A new request first takes the longest cached prefix
 (prefix caching) and prefills only the rest, in chunks mixed into the same forward as the decode
 rows; it joins the persistent batch (and is sampled) in the step that computes its last chunk.
 
-When a running sequence needs a block and none is free, the most recently admitted sequences
-are preempted by recomputation: their blocks are freed, they leave the persistent batch (the
-processors see the removal) and go back to the front of the queue; on resumption they prefill
-prompt + output so far and rejoin the batch with the same live output list.
+When a running sequence needs a block and none is free, other sequences are preempted by
+recomputation (the newest admitted, unless the policy says otherwise): their blocks are freed,
+they leave the persistent batch (the processors see the removal) and go back to the front of
+the queue; on resumption they prefill prompt + output so far and rejoin the batch with the same
+live output list.
+
+Which waiting sequence comes next, and which running one is preempted, is the policy's
+(worker.fairness): by default fair between tenants and client requests, so one request holding
+every row gives way to a newcomer within a step.
+
+A sequence whose consumer is behind is paused: it leaves the batch but keeps its KV blocks (the
+first to go when blocks run short) and rejoins, with no recompute, when resumed and a row is free.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
+from worker import fairness
+from worker.fairness import Shares, WaitingQueue
 from worker.kv.manager import KVCacheManager
 from worker.request import Request
 
@@ -47,7 +56,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager) -> None:
+    def __init__(
+        self, *, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager, policy: str = "fair"
+    ) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens: must be >= max_num_seqs ({max_num_seqs}) so every decode row fits, "
@@ -56,19 +67,34 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        # Admitted sequences (own KV blocks), in admission order: preemption takes from the end.
+        if policy not in fairness.POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {', '.join(fairness.POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.waiting = WaitingQueue()
+        # Admitted sequences (own KV blocks, a batch row), in admission order.
         self.running: list[Request] = []
+        # Paused sequences (out of the batch, KV kept unless evicted); resumed ones rejoin from here.
+        self.paused: list[Request] = []
+        self._resumed: list[Request] = []
         # In-batch sequences that finished since the last schedule(); removed at the next update.
         self._leaving: list[str] = []
+        self._arrivals = 0
+        self._shares: Shares | None = None  # the fair policy's, rebuilt by every schedule()
         self.num_preemptions = 0
+        # Preemptions that gave a sequence below its fair share a row (worker.fairness).
+        self.num_fair_preemptions = 0
 
     def add(self, request: Request) -> None:
+        request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.paused)
+
+    def has_work(self) -> bool:
+        """Something to schedule (paused sequences alone are not: a step would do nothing)."""
+        return bool(self.waiting or self.running or self._resumed or self._leaving)
 
     def finish(self, request: Request) -> None:
         """Release a sequence that just finished (any reason); it leaves the batch next step."""
@@ -76,11 +102,45 @@ class Scheduler:
             self.kv.free(request)
         if request in self.running:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif request in self.paused:
+            self.paused.remove(request)
+            if request in self._resumed:
+                self._resumed.remove(request)
+        else:
             self.waiting.remove(request)
+        request.paused = False
+        self._leave_batch(request)
+
+    def _leave_batch(self, request: Request) -> None:
         if request.in_batch:
             self._leaving.append(request.request_id)
             request.in_batch = False
+
+    def pause(self, request: Request) -> None:
+        """Hold ``request`` out of the batch (its consumer is behind); it keeps its KV blocks."""
+        if request in self._resumed:  # resumed, then paused again before it rejoined
+            self._resumed.remove(request)
+            return
+        if request.paused or request.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+            self._leave_batch(request)
+        elif not self.waiting.remove(request):
+            return
+        request.paused = True
+        self.paused.append(request)
+
+    def resume(self, request: Request) -> None:
+        """Undo pause: with its KV it rejoins as soon as a row is free, without it it queues first."""
+        if not request.paused or request in self._resumed:
+            return
+        if request.num_computed_tokens:
+            self._resumed.append(request)
+            return
+        request.paused = False
+        self.paused.remove(request)
+        self.waiting.appendleft(request)
 
     def forget_batch(self) -> None:
         """The persistent batch was rebuilt empty: nothing is left to remove from it."""
@@ -92,6 +152,9 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._leaving)
         self._leaving = []
         self._budget = self.max_num_batched_tokens
+        self._rejoin_resumed()
+        shares = Shares.of(self.running, self.waiting, self.max_num_seqs) if self.policy == "fair" else None
+        self._shares = shares
         for req in list(self.running):
             if req.in_batch and req in self.running and self._reserve(req, 1, out):
                 self._put(out, req, 1)
@@ -102,24 +165,89 @@ class Scheduler:
                 n = min(req.num_pending_tokens, self._budget)
                 if self._reserve(req, n, out):
                     self._put(out, req, n)
-        while not out.preempted and self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
-            if not self._admit(self.waiting[0], out):
-                break
+        if not out.preempted:  # blocks ran short for running sequences: admit nobody this step
+            self._admit_waiting(out)
         return out
 
-    def _admit(self, req: Request, out: SchedulerOutput) -> bool:
-        """Admit the head of the queue if KV blocks allow its first chunk."""
-        # Prompt logprobs need every prompt position's logits: no cached prefix (as vLLM).
-        hits = [] if req.computes_prompt_logprobs else self.kv.computed_prefix(req)
-        if not req.computes_prompt_logprobs and self._prefix_in_flight(req, len(hits)):
+    def _rejoin_resumed(self) -> None:
+        """Resumed sequences that kept their KV take free rows first (they were admitted before)."""
+        while self._resumed and len(self.running) < self.max_num_seqs:
+            req = self._resumed.pop(0)
+            self.paused.remove(req)
+            req.paused = False
+            if req.num_computed_tokens:
+                self.running.append(req)
+            else:  # evicted since it was resumed: recompute, first in the queue
+                self.waiting.appendleft(req)
+
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
+        """Admit waiting sequences in the policy's order while rows, token budget and KV allow.
+
+        fcfs / priority stop at the first sequence that does not fit (as vLLM); fair skips a
+        group whose shared prefix is still being computed, and preempts for a sequence below its
+        share (worker.fairness.fair_victim) rather than stop. A group preempted from is not
+        admitted again in the same step (its rows are leaving the batch)."""
+        blocked: set[fairness.GroupKey] = set()
+        while self.waiting and self._budget > 0:
+            req = fairness.pick(self.policy, self.waiting, self._shares, blocked)
+            if req is None:
+                return
+            hits = self._cache_hits(req)
+            if hits is None:
+                if self.policy != "fair":
+                    return
+                blocked.add(fairness.group_key(req))
+            elif len(self.running) >= self.max_num_seqs:
+                if not self._preempt_for(req, out, blocked):
+                    return
+            elif not self._admit(req, hits, out) and not (
+                self._evict_paused() or self._preempt_for(req, out, blocked)
+            ):
+                return
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput, blocked: set[fairness.GroupKey]) -> bool:
+        """Fair policy: preempt one sequence over its share for ``req`` (below its own)."""
+        if self._shares is None:
             return False
+        victim = fairness.fair_victim(req, self.running, self._shares)
+        if victim is None:
+            return False
+        self._preempt(victim, out)
+        blocked.add(fairness.group_key(victim))
+        self.num_fair_preemptions += 1
+        return True
+
+    def _evict_paused(self) -> bool:
+        """Free the KV of the longest-paused sequence still holding some; False if none does."""
+        for req in self.paused:
+            if req.block_ids:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
+
+    def _cache_hits(self, req: Request) -> list[int] | None:
+        """The cached blocks ``req`` may start from; None while another sequence is computing the
+        next block of its prefix (see _prefix_in_flight)."""
+        # Prompt logprobs need every prompt position's logits: no cached prefix (as vLLM).
+        if req.computes_prompt_logprobs:
+            return []
+        hits = self.kv.computed_prefix(req)
+        return None if self._prefix_in_flight(req, len(hits)) else hits
+
+    def _admit(self, req: Request, hits: list[int], out: SchedulerOutput) -> bool:
+        """Admit ``req`` (the head of its group) if KV blocks allow its first chunk."""
         cached = len(hits) * self.kv.block_size
         n = min(req.num_tokens - cached, self._budget)
         if not self.kv.allocate(req, n, hits):
             return False
         self.kv.record_lookup(req.num_tokens, cached)
-        self.waiting.popleft()
+        self.waiting.remove(req)
         self.running.append(req)
+        if self._shares is not None:
+            self._shares.add(req)
         self._put(out, req, n)
         return True
 
@@ -145,7 +273,9 @@ class Scheduler:
         False when ``req`` itself had to be preempted (it was the newest left).
         """
         while not self.kv.allocate(req, n):
-            victim = self.running[-1]
+            if self._evict_paused():
+                continue
+            victim = fairness.kv_victim(self.policy, self.running, self._shares)
             self._preempt(victim, out)
             if victim is req:
                 return False
@@ -153,6 +283,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        if self._shares is not None:
+            self._shares.add(req, -1)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -26,6 +26,7 @@ class FakeEngine:
     mode: ClassVar[str] = "ok"  # ok | error (finish_reason error) | dead | invalid | stall
     alive: ClassVar[bool] = True
     seen: ClassVar[list[tuple[str, object, SamplingParams]]] = []
+    scheduling: ClassVar[list[object]] = []  # the Scheduling each call carried
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -44,9 +45,11 @@ class FakeEngine:
         return type(self).alive
 
     async def generate(
-        self, request_id: str, prompt: list[int] | str, params: SamplingParams, *, delta: bool = False
+        self, request_id: str, prompt: list[int] | str, params: SamplingParams, *, delta: bool = False,
+        scheduling: object = None,
     ) -> AsyncIterator[RequestOutput]:
         type(self).seen.append((request_id, prompt, params))
+        type(self).scheduling.append(scheduling)
         mode = type(self).mode
         if mode == "dead":
             raise EngineDeadError("fake engine loop stopped")

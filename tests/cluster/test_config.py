@@ -74,7 +74,7 @@ def test_max_ongoing_below_batch_fails_and_default_follows_batch() -> None:
         LogitpoolConfig.model_validate({"engine": {"max_num_seqs": 32}, "workers": {"max_ongoing_requests": 31}})
     ok = LogitpoolConfig.model_validate({"engine": {"max_num_seqs": 32}, "workers": {"max_ongoing_requests": 32}})
     assert ok.worker_max_ongoing_requests == 32
-    assert LogitpoolConfig.model_validate({"engine": {"max_num_seqs": 48}}).worker_max_ongoing_requests == 48
+    assert LogitpoolConfig.model_validate({"engine": {"max_num_seqs": 48}}).worker_max_ongoing_requests == 4 * 48
 
 
 @pytest.mark.parametrize(
@@ -153,7 +153,8 @@ def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
               "max_num_batched_tokens": 512, "max_model_len": 256, "max_logprobs": 5, "seed": 11,
               "logits_processors": ["pkg.mod:Proc"], "load_entry_points": False, "reorder_batch": False,
               "strict_extra_args": False, "block_size": 8, "kv_cache_bytes": 4096,
-              "kv_cache_memory_fraction": 0.5, "enable_prefix_caching": False}
+              "kv_cache_memory_fraction": 0.5, "enable_prefix_caching": False, "scheduling_policy": "priority",
+              "stream_buffer_outputs": 8}
     assert set(fields) == {f.name for f in dataclasses.fields(EngineConfig)}
     cfg = LogitpoolConfig.model_validate({"engine": fields})
     assert type(cfg.engine) is EngineConfig

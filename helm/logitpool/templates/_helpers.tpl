@@ -101,7 +101,8 @@ of the equivalent LogitpoolConfig: tests/deploy/test_helm_chart.py compares the 
 {{- $v := .Values -}}
 {{- $w := $v.workers -}}
 {{- $a := $w.autoscaling -}}
-{{- $workerOngoing := $w.maxOngoingRequests | default $v.engine.maxNumSeqs -}}
+{{- /* cluster/config.py WORKER_CALLS_PER_ROW: calls wait in the engine's fair queue, not Serve's router */ -}}
+{{- $workerOngoing := $w.maxOngoingRequests | default (mul 4 $v.engine.maxNumSeqs) -}}
 proxy_location: EveryNode
 http_options:
   host: 0.0.0.0
@@ -133,6 +134,8 @@ applications:
         kv_cache_bytes: {{ $v.engine.kvCacheBytes | toJson }}
         kv_cache_memory_fraction: {{ $v.engine.kvCacheMemoryFraction | toJson }}
         enable_prefix_caching: {{ $v.engine.enablePrefixCaching | toJson }}
+        scheduling_policy: {{ $v.engine.schedulingPolicy | toJson }}
+        stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}
       workers:
         {{- if $a.enabled }}
         num_replicas: null
