@@ -22,7 +22,7 @@ from client.types import Choice, Chunk, Completion, Logprob, ProcessorInfo, Toke
 # JSON values (extra_args): every type kept exactly; ints stay ints.
 
 
-def json_to_pb(value: Any) -> pb.JsonValue:
+def json_to_pb(value: object) -> pb.JsonValue:
     """A JSON-compatible Python value as a JsonValue. TypeError for anything JSON cannot hold."""
     msg = pb.JsonValue()
     _fill(msg, value)
@@ -48,7 +48,7 @@ def extra_args_from_pb(fields: Mapping[str, pb.JsonValue]) -> dict[str, Any]:
     return {key: json_from_pb(value) for key, value in fields.items()}
 
 
-def _fill(msg: pb.JsonValue, value: Any) -> None:
+def _fill(msg: pb.JsonValue, value: object) -> None:
     # bool before int: bool is an int subclass, and True must not become 1.
     if value is None:
         msg.null_value = pb.JSON_NULL
@@ -71,7 +71,7 @@ def _fill(msg: pb.JsonValue, value: Any) -> None:
         raise TypeError(f"not a JSON value: {type(value).__name__}")
 
 
-def _fill_object(fields: MutableMapping[str, pb.JsonValue], value: Mapping[Any, Any]) -> None:
+def _fill_object(fields: MutableMapping[str, pb.JsonValue], value: Mapping[object, object]) -> None:
     for key, item in value.items():
         if not isinstance(key, str):
             raise TypeError(f"JSON object keys must be strings, got {key!r}")
@@ -221,7 +221,7 @@ def _logprobs(positions: Sequence[pb.PositionLogprobs]) -> tuple[TokenLogprobs, 
     )
 
 
-def _prompt_logprobs(msg: Any) -> tuple[TokenLogprobs | None, ...] | None:
+def _prompt_logprobs(msg: pb.GenerateResponse | pb.GenerateStreamResponse) -> tuple[TokenLogprobs | None, ...] | None:
     """The response's prompt logprobs, the first prompt token's None put back; None when unset."""
     if not msg.HasField("prompt_logprobs"):
         return None
@@ -309,7 +309,7 @@ HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
 _SERVING = 1
 
 
-def _health_messages() -> tuple[Any, Any]:
+def _health_messages() -> tuple[Any, Any]:  # classes built at run time: no static fields
     fdp = descriptor_pb2.FileDescriptorProto(
         name="logitpool_client/grpc_health_v1.proto", package="grpc.health.v1", syntax="proto3"
     )

@@ -16,18 +16,21 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
 from client import _convert
 from client._retry import Deadline, RetryPolicy, check_timeout
 from client.errors import DeadlineExceeded, LogitpoolError, Unavailable, from_rpc_error
+from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from client.pb.logitpool.v1 import logitpool_pb2_grpc
 from client.types import Chunk, Completion, ProcessorInfo
 
 T = TypeVar("T")
+_StreamCall = grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateStreamResponse]
 
 
 class AsyncClient:
@@ -56,7 +59,9 @@ class AsyncClient:
             else grpc.aio.insecure_channel(target, options)
         )
         self._stub = logitpool_pb2_grpc.LogitPoolStub(self._channel)
-        self._health = self._channel.unary_unary(_convert.HEALTH_CHECK_METHOD)  # bytes in, bytes out
+        self._health: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
+            _convert.HEALTH_CHECK_METHOD
+        )  # bytes in, bytes out
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -87,7 +92,7 @@ class AsyncClient:
         leaving an ``async with`` block or dropping the stream cancels it on the server."""
         request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
 
-        def start(remaining: float) -> Any:
+        def start(remaining: float) -> _StreamCall:
             return self._stub.GenerateStream(request, timeout=remaining, metadata=self._metadata)
 
         return AsyncStream(start, self._seconds(timeout), self._retry)
@@ -126,7 +131,7 @@ class AsyncClient:
     def _seconds(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else check_timeout(timeout)
 
-    async def _unary(self, rpc: Callable[..., Awaitable[T]], request: Any, timeout: float | None) -> T:
+    async def _unary(self, rpc: Callable[..., Awaitable[T]], request: Message, timeout: float | None) -> T:
         deadline = Deadline.after(self._seconds(timeout))
         retries = 0
         while True:
@@ -146,12 +151,12 @@ class AsyncStream(AsyncIterator[Chunk]):
     message. ``aclose()``/``cancel()`` cancel the call; so does leaving ``async with`` or
     dropping the stream."""
 
-    def __init__(self, start: Callable[[float], Any], timeout: float, retry: RetryPolicy) -> None:
+    def __init__(self, start: Callable[[float], _StreamCall], timeout: float, retry: RetryPolicy) -> None:
         self._start = start
         self._timeout = timeout
         self._retry = retry
         self._deadline: Deadline | None = None
-        self._call: Any = None
+        self._call: _StreamCall | None = None
         self._pending: deque[Chunk] = deque()
         self._received = False
         self._retries = 0
@@ -200,7 +205,7 @@ class AsyncStream(AsyncIterator[Chunk]):
                     self._done, self._call = True, None
                     return []
                 self._received = True
-                return _convert.chunks_from_pb(message)
+                return _convert.chunks_from_pb(cast(pb.GenerateStreamResponse, message))  # not EOF: a message
             await asyncio.sleep(wait)
             self._retries += 1
         return []

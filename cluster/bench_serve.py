@@ -20,10 +20,17 @@ import torch
 from client import AsyncClient
 from worker.bench.latency import Latency, Stream, engine_stream, measure
 
+
 def http_stream(base: str, new_tokens: int, client: httpx.AsyncClient) -> Stream:
     async def run(i: int, prompt: list[int]) -> AsyncIterator[int]:
-        body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}
+        body = {
+            "prompt": prompt,
+            "max_tokens": new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
         async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
@@ -47,8 +54,10 @@ def grpc_stream(client: AsyncClient, new_tokens: int) -> Stream:
 
 def fmt(name: str, n: int, r: Latency, base: Latency | None) -> str:
     ratio = f"{r.tok_s / base.tok_s:.2f}" if base else "1.00"
-    return (f"| {n} | {name} | {r.req_s:.2f} | {r.tok_s:.0f} | {r.ttft_p50_ms:.0f} / {r.ttft_p99_ms:.0f} "
-            f"| {r.itl_p50_ms:.1f} / {r.itl_p99_ms:.1f} | {ratio} |")
+    return (
+        f"| {n} | {name} | {r.req_s:.2f} | {r.tok_s:.0f} | {r.ttft_p50_ms:.0f} / {r.ttft_p99_ms:.0f} "
+        f"| {r.itl_p50_ms:.1f} / {r.itl_p99_ms:.1f} | {ratio} |"
+    )
 
 
 async def amain(args: argparse.Namespace) -> None:
@@ -59,21 +68,24 @@ async def amain(args: argparse.Namespace) -> None:
     model = args.model or str(build_tiny_model(default_model_path()))
     http_base, grpc_target = args.http, args.grpc
     if http_base is None or grpc_target is None:
-        from cluster.launch import start_serve, wait_ready
         from cluster.config import LogitpoolConfig
+        from cluster.launch import start_serve, wait_ready
 
-        cfg = LogitpoolConfig.model_validate({
-            "engine": {"model": model, "max_num_seqs": max(args.concurrency)},
-            "workers": {"num_replicas": 1, "num_cpus": args.worker_cpus},
-            "server": {"http_port": args.http_port, "grpc_port": args.grpc_port},
-        })
+        cfg = LogitpoolConfig.model_validate(
+            {
+                "engine": {"model": model, "max_num_seqs": max(args.concurrency)},
+                "workers": {"num_replicas": 1, "num_cpus": args.worker_cpus},
+                "server": {"http_port": args.http_port, "grpc_port": args.grpc_port},
+            }
+        )
         await asyncio.to_thread(start_serve, cfg)
         await asyncio.to_thread(wait_ready, "127.0.0.1", args.http_port, 300.0)
         http_base, grpc_target = f"http://127.0.0.1:{args.http_port}", f"127.0.0.1:{args.grpc_port}"
     torch.set_num_threads(int(args.worker_cpus))
     loaded = load_model(model, dtype="float32")
-    engine = AsyncEngine(EngineConfig(model=model, max_num_seqs=max(args.concurrency), load_entry_points=False),
-                         loaded=loaded)
+    engine = AsyncEngine(
+        EngineConfig(model=model, max_num_seqs=max(args.concurrency), load_entry_points=False), loaded=loaded
+    )
     g = torch.Generator().manual_seed(0)
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; ratio = tok/s vs in-process\n")
     print("| N | path | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | vs AsyncEngine |")

@@ -3,7 +3,10 @@ traceback only with ``--debug``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 EXIT_ERROR = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a Unix tool whose reader went away exits with
@@ -13,7 +16,7 @@ class CliError(Exception):
     """A failure already worded for the operator."""
 
 
-def _pydantic_line(exc: Any) -> str:
+def _pydantic_line(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()))

@@ -14,9 +14,12 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.cli_errors import CliError
+
+if TYPE_CHECKING:
+    from ray.serve.schema import ApplicationStatusOverview
 
 POLL_S = 1.0
 _FAILED = ("DEPLOY_FAILED", "UNHEALTHY")
@@ -47,22 +50,25 @@ def cause(message: str) -> str:
     if not lines:
         return "no message from Serve"
     starts = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)]
-    text = " ".join(lines[starts[-1]:] if starts else lines)
+    text = " ".join(lines[starts[-1] :] if starts else lines)
     return text if len(text) <= CAUSE_CHARS else text[:CAUSE_CHARS] + "..."
 
 
-def _value(status: Any) -> str:
+def _value(status: object) -> str:
     return str(getattr(status, "value", status))
 
 
-def app_status(app: str) -> Any | None:
+def app_status(app: str) -> ApplicationStatusOverview | None:
     from ray import serve
 
     return serve.status().applications.get(app)
 
 
 def wait_running(
-    app: str, timeout_s: float, *, report: Callable[[str], None] = lambda _: None,
+    app: str,
+    timeout_s: float,
+    *,
+    report: Callable[[str], None] = lambda _: None,
     serving: Callable[[], bool] = lambda: False,
 ) -> list[str]:
     """Wait until `app` is RUNNING; returns Serve's messages about unschedulable replicas when
@@ -87,8 +93,7 @@ def wait_running(
                 report(f"{name}: {cause(m)}")
         if stale is None:
             stale = set(messages.items())
-        pending = [f"{name}: {cause(m)}" for name, m in messages.items()
-                   if unplaceable(m) and (name, m) not in stale]
+        pending = [f"{name}: {cause(m)}" for name, m in messages.items() if unplaceable(m) and (name, m) not in stale]
         if pending and serving():
             return pending
         if time.monotonic() > deadline:

@@ -146,7 +146,7 @@ def generate() -> dict[str, Any]:
         if config_path[0] == "engine":
             field.update(copy.deepcopy(ENGINE_JSON_SCHEMA.get(config_path[1], {})))
         if chart_path in _NOT_NULL and isinstance(field.get("type"), list):
-            field["type"] = [t for t in field["type"] if t != "null"][0]
+            field["type"] = next(t for t in field["type"] if t != "null")
         if chart_path in _INTEGER:
             field["type"] = "integer"
         node.setdefault("properties", {})[chart_path[-1]] = field
@@ -164,8 +164,9 @@ def render() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cluster.helm_schema", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m cluster.helm_schema", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--check", action="store_true", help="only compare with the checked-in schema")
     args = p.parse_args(argv)
     text = render()
@@ -176,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     SCHEMA.write_text(text, encoding="utf-8")
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -18,12 +18,16 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "logitpool_requests", "Requests answered, by protocol and status code",
-            ["protocol", "status"], registry=self.registry,
+            "logitpool_requests",
+            "Requests answered, by protocol and status code",
+            ["protocol", "status"],
+            registry=self.registry,
         )
         self.rejected = Counter(
-            "logitpool_requests_rejected", "Requests rejected at the ingress (4xx), by protocol and status",
-            ["protocol", "status"], registry=self.registry,
+            "logitpool_requests_rejected",
+            "Requests rejected at the ingress (4xx), by protocol and status",
+            ["protocol", "status"],
+            registry=self.registry,
         )
         self.tokens = Counter(
             "logitpool_generated_tokens", "Output tokens generated", ["protocol"], registry=self.registry
@@ -54,33 +58,43 @@ class _PoolCollector:
 
     def collect(self) -> Iterator[Metric]:
         pool = self.pool
-        replicas = GaugeMetricFamily("logitpool_worker_replicas", "Worker replicas reporting, by engine state",
-                                     labels=["state"])
+        replicas = GaugeMetricFamily(
+            "logitpool_worker_replicas", "Worker replicas reporting, by engine state", labels=["state"]
+        )
         alive = pool_stats.num_alive(pool)
         replicas.add_metric(["alive"], alive)
         replicas.add_metric(["dead"], len(pool) - alive)
         yield replicas
-        for key, name, doc in (("num_running", "logitpool_running_sequences", "Sequences in the running batches"),
-                               ("num_waiting", "logitpool_waiting_sequences", "Sequences waiting for admission")):
+        for key, name, doc in (
+            ("num_running", "logitpool_running_sequences", "Sequences in the running batches"),
+            ("num_waiting", "logitpool_waiting_sequences", "Sequences waiting for admission"),
+        ):
             yield GaugeMetricFamily(name, doc, value=sum(getattr(s, key) for s in pool))
-        finished = CounterMetricFamily("logitpool_sequences_finished",
-                                       "Sequences ended in the engines, by terminal outcome", labels=["reason"])
-        reasons: dict[str, float] = {}
+        finished = CounterMetricFamily(
+            "logitpool_sequences_finished", "Sequences ended in the engines, by terminal outcome", labels=["reason"]
+        )
+        reasons: dict[str, int] = {}
         for s in pool:
             for reason, count in s.finished.items():
                 reasons[reason] = reasons.get(reason, 0) + count
         for reason, count in sorted(reasons.items()):
             finished.add_metric([reason], count)
         yield finished
-        yield CounterMetricFamily("logitpool_engine_restarts", "Times an engine rebuilt its batch after a failure",
-                                  value=sum(s.restarts for s in pool))
+        yield CounterMetricFamily(
+            "logitpool_engine_restarts",
+            "Times an engine rebuilt its batch after a failure",
+            value=sum(s.restarts for s in pool),
+        )
         kv = GaugeMetricFamily("logitpool_kv_cache", "KV cache state per worker replica", labels=["replica", "stat"])
         for s in pool:
             for stat, value in sorted({**s.kv, "bytes": float(s.kv_cache_bytes)}.items()):
                 kv.add_metric([s.replica_id, stat], value)
         yield kv
-        age = GaugeMetricFamily("logitpool_engine_heartbeat_age_seconds",
-                                "Seconds since each replica's engine loop last came round", labels=["replica"])
+        age = GaugeMetricFamily(
+            "logitpool_engine_heartbeat_age_seconds",
+            "Seconds since each replica's engine loop last came round",
+            labels=["replica"],
+        )
         for s in pool:
             age.add_metric([s.replica_id], s.heartbeat_age_s)
         yield age

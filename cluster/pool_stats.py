@@ -16,9 +16,9 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 if TYPE_CHECKING:
     from worker.async_engine import EngineStats
@@ -36,7 +36,7 @@ def _prefix(app: str) -> str:
     return f"pool/{app}/"
 
 
-def _number(value: Any) -> float | None:
+def _number(value: float) -> float | None:
     try:
         x = float(value)
     except (TypeError, ValueError):
@@ -95,7 +95,11 @@ def snapshot(stats: EngineStats, *, kv_cache_bytes: int = 0) -> PoolSnapshot:
     return PoolSnapshot.of(stats, kv_cache_bytes=kv_cache_bytes)
 
 
-async def _kv(fn: Any, *args: Any, **kw: Any) -> Any:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+async def _kv(fn: Callable[_P, _R], *args: _P.args, **kw: _P.kwargs) -> _R:
     return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kw), KV_TIMEOUT_S)
 
 

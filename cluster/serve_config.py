@@ -81,9 +81,7 @@ def serve_config(cfg: LogitpoolConfig) -> dict[str, Any]:
                 "route_prefix": cfg.route_prefix,
                 "import_path": APP_IMPORT_PATH,
                 "args": app_args(cfg),
-                "deployments": [
-                    {"name": name, **options} for name, options in deployment_options(cfg).items()
-                ],
+                "deployments": [{"name": name, **options} for name, options in deployment_options(cfg).items()],
             }
         ],
     }

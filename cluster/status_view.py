@@ -3,12 +3,16 @@ replicas waiting for resources) and each worker replica's engine (running, waiti
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cluster.pool_stats import PoolSnapshot
 
+if TYPE_CHECKING:
+    from ray.serve.schema import ApplicationStatusOverview
+
 # (header, how one snapshot fills the cell); counts are integers, rates percentages.
-_COLUMNS: tuple[tuple[str, Any], ...] = (
+_COLUMNS: tuple[tuple[str, Callable[[PoolSnapshot], str]], ...] = (
     ("replica", lambda s: s.replica_id or "?"),
     ("alive", lambda s: "yes" if s.alive else "NO"),
     ("running", lambda s: str(s.num_running)),
@@ -21,7 +25,7 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
 )
 
 
-def _value(x: Any) -> str:
+def _value(x: object) -> str:
     return str(getattr(x, "value", x))
 
 
@@ -38,12 +42,12 @@ def _bytes(n: int) -> str:
         return "-"
     if n < 1024:
         return f"{n} B"
-    x, unit = float(n), "B"
-    for unit in ("KiB", "MiB", "GiB"):
-        x /= 1024
+    x = n / 1024
+    for unit in ("KiB", "MiB"):
         if x < 1024:
-            break
-    return f"{x:.1f} {unit}"
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} GiB"
 
 
 def table(snaps: list[PoolSnapshot]) -> list[str]:
@@ -58,7 +62,7 @@ def table(snaps: list[PoolSnapshot]) -> list[str]:
     return [line(heads), *(line(r) for r in rows)]
 
 
-def status_lines(app: str, st: Any | None, snaps: list[PoolSnapshot]) -> list[str]:
+def status_lines(app: str, st: ApplicationStatusOverview | None, snaps: list[PoolSnapshot]) -> list[str]:
     """`st`: Serve's ApplicationStatusOverview (None: not deployed); `snaps`: pool_stats.collect."""
     if st is None:
         return [f"application {app}: not deployed"]

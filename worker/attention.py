@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -219,10 +220,10 @@ def paged_kv_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    layer = module.layer_idx
+    layer = cast(int, module.layer_idx)  # every transformers attention module carries its layer's index
     window, softcap = _window(kwargs), kwargs.get("softcap")
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
-    kv_heads, num_blocks, block_size, dim = k_cache.shape
+    kv_heads, _num_blocks, _block_size, dim = k_cache.shape
     # Write first, then read everything back from the blocks: a row's own new token included.
     k_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, key[0])
     v_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, value[0])

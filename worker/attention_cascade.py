@@ -59,7 +59,12 @@ def common_prefix_blocks(table: torch.Tensor, lengths: torch.Tensor, block_size:
 
 
 def shared_prefix(
-    table: torch.Tensor, lengths: torch.Tensor, max_len: int, shared_blocks: int, block_size: int, num_blocks: int,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+    shared_blocks: int,
+    block_size: int,
+    num_blocks: int,
     kv_heads: int,
 ) -> SharedPrefix:
     """The cascade split of decode rows (block table [B, W], context lengths [B]) sharing ``shared_blocks``."""
@@ -94,7 +99,10 @@ class SharedChunks:
 
 
 def shared_chunks(
-    chunks: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int, num_blocks: int, kv_heads: int,
+    chunks: Sequence[tuple[int, int, int, Sequence[int]]],
+    block_size: int,
+    num_blocks: int,
+    kv_heads: int,
     device: torch.device,
 ) -> SharedChunks | None:
     """Chunks (flattened start, tokens, KV start, block table) sharing leading blocks, or None if it doesn't pay."""
@@ -114,14 +122,24 @@ def shared_chunks(
     tokens = [tok + i for tok, n, _, _ in chunks for i in range(n)]
     own = table[:, shared:]
     own_len = max(start + n for _, n, start, _ in chunks) - prefix
-    flat = torch.tensor(index + valid + tokens + own.reshape(-1).tolist() + table[0, :shared].tolist(),
-                        dtype=torch.long).to(device, non_blocking=True)
+    flat = torch.tensor(
+        index + valid + tokens + own.reshape(-1).tolist() + table[0, :shared].tolist(), dtype=torch.long
+    ).to(device, non_blocking=True)
     t_index, t_valid, t_tokens, t_own, t_prefix = flat.split([len(index), len(valid), len(tokens), own.numel(), shared])
     queries = starts.to(device)[:, None] + torch.arange(width, device=device)[None, :]  # [C, width] KV positions
     keys = prefix + torch.arange(own_len, device=device)
     mask = keys[None, None, :] <= queries[:, :, None]
-    return SharedChunks(prefix, head_major(t_prefix, kv_heads, num_blocks), head_major(t_own, kv_heads, num_blocks),
-                        t_index, t_valid, t_tokens, mask[None, :, :, None, :], width, own_len)
+    return SharedChunks(
+        prefix,
+        head_major(t_prefix, kv_heads, num_blocks),
+        head_major(t_own, kv_heads, num_blocks),
+        t_index,
+        t_valid,
+        t_tokens,
+        mask[None, :, :, None, :],
+        width,
+        own_len,
+    )
 
 
 def _two_part_attention(
@@ -175,8 +193,16 @@ def cascade_decode(
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     qf = (q.float() * scale).view(batch, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [KVH, B, rep, D]
-    out = _two_part_attention(qf, k_cache, v_cache, (shared.head_blocks, shared.num_tokens),
-                              (shared.suffix_head_blocks, shared.suffix_len), shared.suffix_mask, softcap, workspace)
+    out = _two_part_attention(
+        qf,
+        k_cache,
+        v_cache,
+        (shared.head_blocks, shared.num_tokens),
+        (shared.suffix_head_blocks, shared.suffix_len),
+        shared.suffix_mask,
+        softcap,
+        workspace,
+    )
     return out.transpose(0, 1).reshape(batch, heads, dim).to(q.dtype)
 
 
@@ -200,7 +226,15 @@ def cascade_chunks(
     padded = q.index_select(0, shared.token_index).float().mul_(scale)  # [C * width, H, D]
     qf = padded.view(chunks, width, kv_heads, rep, dim).permute(2, 0, 1, 3, 4).reshape(kv_heads, chunks, -1, dim)
     mask = shared.own_mask.expand(-1, -1, -1, rep, -1).reshape(1, chunks, width * rep, -1)
-    out = _two_part_attention(qf, k_cache, v_cache, (shared.head_blocks, shared.num_tokens),
-                              (shared.own_head_blocks, shared.own_len), mask, softcap, workspace)
+    out = _two_part_attention(
+        qf,
+        k_cache,
+        v_cache,
+        (shared.head_blocks, shared.num_tokens),
+        (shared.own_head_blocks, shared.own_len),
+        mask,
+        softcap,
+        workspace,
+    )
     out = out.view(kv_heads, chunks, width, rep, dim).permute(1, 2, 0, 3, 4).reshape(chunks * width, heads, dim)
     return out.index_select(0, shared.valid).to(q.dtype)

@@ -19,9 +19,10 @@ from worker.sampling_params import SamplingParams
 
 # (request id, params, prompt token ids, LIVE output token ids[, the request's own generator])
 # A request that brings its generator (a preempted seeded one resuming) keeps its random stream.
-NewRequest = tuple[str, SamplingParams, "list[int] | None", "list[int]"] | tuple[
-    str, SamplingParams, "list[int] | None", "list[int]", "torch.Generator | None"
-]
+NewRequest = (
+    tuple[str, SamplingParams, "list[int] | None", "list[int]"]
+    | tuple[str, SamplingParams, "list[int] | None", "list[int]", "torch.Generator | None"]
+)
 # Row order (request ids) after steps 1-4 -> the SWAP pairs of step 5.
 SwapPolicy = Callable[[list[str]], Sequence[tuple[int, int]]]
 
@@ -299,4 +300,3 @@ class PersistentBatch:
             logprobs_modes=tuple(r.params.logprobs_mode for r in rows),
             no_penalties=not bool(cpu["uses_penalties"].any()),
         )
-

@@ -14,9 +14,18 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # transformers loads lazily, in the functions that need it
+    from transformers import (
+        GenerationConfig,
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
 
 # Bump when the tiny model's recipe changes, so cached builds with the same arguments are redone.
 _TINY_BUILD_VERSION = 1
@@ -46,9 +55,9 @@ _SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|
 class LoadedModel:
     """A model ready for the runner, with the facts the engine and sampler need about it."""
 
-    model: Any  # transformers.PreTrainedModel, in eval mode on `device`
-    tokenizer: Any  # transformers.PreTrainedTokenizerBase
-    config: Any  # transformers.PretrainedConfig
+    model: PreTrainedModel  # in eval mode on `device`
+    tokenizer: PreTrainedTokenizerBase
+    config: PretrainedConfig
     eos_token_ids: frozenset[int]
     vocab_size: int  # width of the logits rows (the output projection), may exceed len(tokenizer)
     max_model_len: int
@@ -96,7 +105,7 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def unsupported_reason(config: Any) -> str | None:
+def unsupported_reason(config: PretrainedConfig) -> str | None:
     """Why the runner's attention cannot run this config exactly, or None when it can."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(config, "is_encoder_decoder", False):
@@ -127,7 +136,7 @@ def unsupported_reason(config: Any) -> str | None:
     return None
 
 
-def _model_reason(model: Any) -> str | None:
+def _model_reason(model: PreTrainedModel) -> str | None:
     if not getattr(model, "_supports_attention_backend", False):
         return (
             f"{type(model).__name__} does not pass attention through transformers' AttentionInterface "
@@ -138,7 +147,7 @@ def _model_reason(model: Any) -> str | None:
     return None
 
 
-def _eos_ids(generation_config: Any, tokenizer: Any) -> frozenset[int]:
+def _eos_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids: set[int] = set()
     eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
     if isinstance(eos, int):
@@ -199,7 +208,7 @@ def _training_text() -> list[str]:
     return texts
 
 
-def _train_tokenizer(vocab_size: int) -> Any:
+def _train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -228,7 +237,7 @@ def _train_tokenizer(vocab_size: int) -> Any:
     return wrapped
 
 
-def _write_tiny_model(out: Path, args: dict[str, Any]) -> None:
+def _write_tiny_model(out: Path, args: dict[str, int]) -> None:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = _train_tokenizer(args["vocab_size"])
@@ -258,7 +267,7 @@ def _write_tiny_model(out: Path, args: dict[str, Any]) -> None:
     (out / _MARKER).write_text(json.dumps(args, sort_keys=True))  # last: marks the build complete
 
 
-def _is_built(path: Path, args: dict[str, Any]) -> bool:
+def _is_built(path: Path, args: dict[str, int]) -> bool:
     marker = path / _MARKER
     return marker.is_file() and json.loads(marker.read_text()) == args
 

@@ -110,9 +110,8 @@ class ModelRunner:
         layers, kv_heads, head_dim = kv_shape(loaded)
         shape = (kv_heads, num_blocks, block_size, head_dim)
         # Zeros, not empty: masked positions get weight 0, and 0 * NaN garbage would still be NaN.
-        kw = {"dtype": loaded.dtype, "device": loaded.device}
-        self._k = tuple(torch.zeros(shape, **kw) for _ in range(layers))
-        self._v = tuple(torch.zeros(shape, **kw) for _ in range(layers))
+        self._k = tuple(torch.zeros(shape, dtype=loaded.dtype, device=loaded.device) for _ in range(layers))
+        self._v = tuple(torch.zeros(shape, dtype=loaded.dtype, device=loaded.device) for _ in range(layers))
         self.kv_cache_bytes: int = sum(t.numel() * t.element_size() for t in self._k + self._v)
         self.num_blocks = num_blocks
         self.block_size = block_size

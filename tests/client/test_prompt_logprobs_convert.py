@@ -20,8 +20,9 @@ def decode(tok: int) -> str:
 
 
 def _out(plp) -> RequestOutput:
-    return RequestOutput("r", None, PROMPT, [CompletionOutput(0, "<3>", [3], None, None, "length")], True,
-                         prompt_logprobs=plp)
+    return RequestOutput(
+        "r", None, PROMPT, [CompletionOutput(0, "<3>", [3], None, None, "length")], True, prompt_logprobs=plp
+    )
 
 
 def _wire(msg):

@@ -18,7 +18,7 @@ U, S = MoveDirectionality.UNIDIRECTIONAL, MoveDirectionality.SWAP
 
 
 def _req(rid: str, **kw: object) -> tuple[str, SamplingParams, list[int], list[int]]:
-    return (rid, SamplingParams(**kw), [1, 2], [])  # type: ignore[arg-type]
+    return (rid, SamplingParams(**kw), [1, 2], [])  # type: ignore[arg-type]  # kw: SamplingParams' own fields
 
 
 def _batch_of(ids: str, max_num_reqs: int = 8) -> PersistentBatch:

@@ -111,8 +111,11 @@ def test_forced_seeded_rows_use_their_own_generator_uniformly() -> None:
 def test_forced_rows_leave_their_neighbours_alone() -> None:
     v = 300
     x = torch.randn(3, v, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(temperature=0.9, seed=1, logprobs=2), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.9, seed=1, logprobs=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+    ]
     alone = sample(params[:1], x[:1])
     x[1, 5] = INF
     x[2, 9] = float("nan")

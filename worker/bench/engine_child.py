@@ -23,8 +23,13 @@ def main(spec: dict) -> dict[str, dict]:
 
     torch.set_num_threads(spec["threads"])
     loaded = load_model(spec["model"], dtype="float32")
-    llm = LLM(loaded=loaded, max_num_seqs=max(spec["concurrency"]), max_num_batched_tokens=spec["budget"],
-              max_model_len=spec["max_model_len"], load_entry_points=False)
+    llm = LLM(
+        loaded=loaded,
+        max_num_seqs=max(spec["concurrency"]),
+        max_num_batched_tokens=spec["budget"],
+        max_model_len=spec["max_model_len"],
+        load_entry_points=False,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=spec["new"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([[11] * spec["prompt"]] * 2, warm, use_tqdm=False)
@@ -36,8 +41,10 @@ def main(spec: dict) -> dict[str, dict]:
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        results[str(n)] = {"tok_s": n * spec["new"] / seconds,
-                           "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
+        results[str(n)] = {
+            "tok_s": n * spec["new"] / seconds,
+            "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
+        }
     return results
 
 
