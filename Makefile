@@ -38,7 +38,7 @@ protos: venv
 
 # The Helm values schema, generated from the config model (tests/cluster/test_helm_schema.py checks it).
 helm-schema: venv
-	$(BIN)/python -m cluster.helm_schema
+	$(BIN)/python -m cluster.deploy.helm_schema
 
 clean:
 	rm -rf $(VENV)

@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from client import _convert
+from client import convert
 from client._retry import Deadline, RetryPolicy, check_timeout
 from client.errors import DeadlineExceeded, LogitpoolError, Unavailable, from_rpc_error
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
@@ -51,7 +51,7 @@ class AsyncClient:
     ) -> None:
         self._timeout = check_timeout(timeout)
         self._retry = RetryPolicy(max_retries, backoff)
-        self._metadata = _convert.call_metadata(api_key, application)
+        self._metadata = convert.call_metadata(api_key, application)
         options = list(channel_options)
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options)
@@ -60,7 +60,7 @@ class AsyncClient:
         )
         self._stub = logitpool_pb2_grpc.LogitPoolStub(self._channel)
         self._health: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
-            _convert.HEALTH_CHECK_METHOD
+            convert.HEALTH_CHECK_METHOD
         )  # bytes in, bytes out
 
     # -- calls ---------------------------------------------------------------------------
@@ -75,9 +75,9 @@ class AsyncClient:
         **sampling: Any,
     ) -> Completion:
         """Generate all completions of one request. ``sampling``: SamplingParams' field names."""
-        request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
         response = await self._unary(self._stub.Generate, request, timeout)
-        return _convert.completion_from_pb(response)
+        return convert.completion_from_pb(response)
 
     def stream(
         self,
@@ -90,7 +90,7 @@ class AsyncClient:
     ) -> AsyncStream:
         """Stream chunks as tokens are sampled. The call starts on first iteration; ``aclose()``,
         leaving an ``async with`` block or dropping the stream cancels it on the server."""
-        request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
 
         def start(remaining: float) -> _StreamCall:
             return self._stub.GenerateStream(request, timeout=remaining, metadata=self._metadata)
@@ -99,21 +99,21 @@ class AsyncClient:
 
     async def processors(self, *, timeout: float | None = None) -> list[ProcessorInfo]:
         """The logits processors the workers loaded, and the extra_args each reads."""
-        response = await self._unary(self._stub.ListProcessors, _convert.list_processors_request(), timeout)
-        return _convert.processors_from_pb(response)
+        response = await self._unary(self._stub.ListProcessors, convert.list_processors_request(), timeout)
+        return convert.processors_from_pb(response)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> bool:
         """grpc.health.v1 Check: True when SERVING; False when not serving or not reachable."""
         try:
             raw = await self._health(
-                _convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata
+                convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata
             )
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
             if isinstance(err, (Unavailable, DeadlineExceeded)) or err.code == grpc.StatusCode.NOT_FOUND:
                 return False
             raise err from exc
-        return _convert.health_is_serving(raw)
+        return convert.health_is_serving(raw)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -205,7 +205,7 @@ class AsyncStream(AsyncIterator[Chunk]):
                     self._done, self._call = True, None
                     return []
                 self._received = True
-                return _convert.chunks_from_pb(cast(pb.GenerateStreamResponse, message))  # not EOF: a message
+                return convert.chunks_from_pb(cast(pb.GenerateStreamResponse, message))  # not EOF: a message
             await asyncio.sleep(wait)
             self._retries += 1
         return []

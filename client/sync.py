@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from client import _convert
+from client import convert
 from client._retry import Deadline, RetryPolicy, check_timeout
 from client.errors import DeadlineExceeded, LogitpoolError, Unavailable, from_rpc_error
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
@@ -56,7 +56,7 @@ class Client:
     ) -> None:
         self._timeout = check_timeout(timeout)
         self._retry = RetryPolicy(max_retries, backoff)
-        self._metadata = _convert.call_metadata(api_key, application)
+        self._metadata = convert.call_metadata(api_key, application)
         options = list(channel_options)
         self._channel = (
             grpc.secure_channel(target, credentials, options)
@@ -65,7 +65,7 @@ class Client:
         )
         self._stub = logitpool_pb2_grpc.LogitPoolStub(self._channel)
         self._health: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
-            _convert.HEALTH_CHECK_METHOD
+            convert.HEALTH_CHECK_METHOD
         )  # bytes in, bytes out
 
     # -- calls ---------------------------------------------------------------------------
@@ -80,9 +80,9 @@ class Client:
         **sampling: Any,
     ) -> Completion:
         """Generate all completions of one request. ``sampling``: SamplingParams' field names."""
-        request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
         response = self._unary(self._stub.Generate, request, timeout)
-        return _convert.completion_from_pb(response)
+        return convert.completion_from_pb(response)
 
     def stream(
         self,
@@ -95,7 +95,7 @@ class Client:
     ) -> Stream:
         """Stream chunks as tokens are sampled. The call starts on first iteration;
         ``close()`` (or leaving a ``with`` block) cancels it on the server."""
-        request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
 
         def start(remaining: float) -> _StreamCall:
             return self._stub.GenerateStream(request, timeout=remaining, metadata=self._metadata)
@@ -104,21 +104,21 @@ class Client:
 
     def processors(self, *, timeout: float | None = None) -> list[ProcessorInfo]:
         """The logits processors the workers loaded, and the extra_args each reads."""
-        response = self._unary(self._stub.ListProcessors, _convert.list_processors_request(), timeout)
-        return _convert.processors_from_pb(response)
+        response = self._unary(self._stub.ListProcessors, convert.list_processors_request(), timeout)
+        return convert.processors_from_pb(response)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> bool:
         """grpc.health.v1 Check: True when SERVING; False when not serving or not reachable."""
         try:
             raw = self._health(
-                _convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata
+                convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata
             )
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
             if isinstance(err, (Unavailable, DeadlineExceeded)) or err.code == grpc.StatusCode.NOT_FOUND:
                 return False
             raise err from exc
-        return _convert.health_is_serving(raw)
+        return convert.health_is_serving(raw)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -206,7 +206,7 @@ class Stream(Iterator[Chunk]):
                 raise
             else:
                 self._received = True
-                return _convert.chunks_from_pb(message)
+                return convert.chunks_from_pb(message)
             time.sleep(wait)
             self._retries += 1
         return []

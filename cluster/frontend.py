@@ -1,10 +1,10 @@
 """The transport-free front end: validation, tokenization, dispatch, streaming and readiness.
 
-HTTP (cluster.http_adapter) and gRPC (cluster.grpc_service) are thin adapters that each hold
+HTTP (cluster.openai.adapter) and gRPC (cluster.rpc.service) are thin adapters that each hold
 one `Frontend`: they turn their wire format into `SamplingParams` + prompts and back, and
 everything in between happens here, once, for both. Every request is validated (limits, the
 standard rules and every loaded processor's ``validate_params``) and tokenized here; a bad
-request never reaches a worker, and the worker receives token ids (see cluster.worker).
+request never reaches a worker, and the worker receives token ids (see cluster.worker_deployment).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
 from cluster.limits import ONCE, ResponseShape
 from cluster.metrics import Metrics
-from cluster.openai_protocol import ChatMessage, fit_to_context, render_chat
+from cluster.openai.protocol import ChatMessage, fit_to_context, render_chat
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
-from worker.models import model_limits
+from worker.model.loader import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams

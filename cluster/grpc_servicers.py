@@ -4,7 +4,7 @@ They register the generated handlers with three changes, all in Serve's proxy pr
 
 - The request deserializer does not parse: it wraps the message bytes in a `WireRequest`, which
   the proxy forwards to the ingress as it is. The ingress checks the API key and the size first
-  and parses after (cluster.grpc_service), so a caller without a key never gets a message parsed,
+  and parses after (cluster.rpc.service), so a caller without a key never gets a message parsed,
   and a malformed one (garbage, invalid UTF-8, nesting past protobuf's recursion limit) is
   INVALID_ARGUMENT, not the UNKNOWN with Python class names that Serve's parse failure gives.
 - A call Serve itself fails (a replica gone mid-call) ends with its code but never with Serve's

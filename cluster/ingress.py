@@ -21,10 +21,10 @@ from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster import pool_stats
 from cluster.config import LogitpoolConfig
 from cluster.frontend import Frontend
-from cluster.grpc_service import GrpcAdapter
+from cluster.rpc.service import GrpcAdapter
 from cluster.grpc_servicers import WireRequest
-from cluster.http_adapter import HttpAdapter
-from cluster.http_app import build_api
+from cluster.openai.adapter import HttpAdapter
+from cluster.openai.routes import build_api
 from cluster.replica_bind import bind_replica_grpc_to_node_ip
 
 

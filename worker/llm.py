@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
-from worker.models import LoadedModel
+from worker.model.loader import LoadedModel
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.sampling_params import SamplingParams
 

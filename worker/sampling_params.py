@@ -1,4 +1,4 @@
-"""SamplingParams: what one request asks of the sampler, and its validation (SPEC §2.5).
+"""SamplingParams: what one request asks of the sampler, and its validation (docs/sampling.md "Validation and ranges").
 
 Field names follow vLLM so that users and ported processors feel at home. Validation that
 needs no model runs in ``__post_init__``; validation that needs the model's vocabulary runs in
@@ -38,7 +38,7 @@ def _shown(value: object) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-# Fixed-width integer ranges (SPEC §2.5): what the engine stores in int64 columns, and seeds.
+# Fixed-width integer ranges (docs/sampling.md "Validation and ranges"): what the engine stores in int64 columns, and seeds.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # vLLM's range; the engine seeds with seed % 2**64
 

@@ -120,7 +120,7 @@ def test_every_sampling_keyword_reaches_the_server(server: Running) -> None:
         structured_outputs={"choice": ["p", "q"]},
         prompt_logprobs=3,
     )
-    assert set(sampling) == client._convert.SAMPLING_FIELDS  # the test covers every field
+    assert set(sampling) == client.convert.SAMPLING_FIELDS  # the test covers every field
     with Client(server.target) as c:
         c.generate("a", **sampling)
     p = server.servicer.requests[-1].params

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from client import json_from_pb, json_to_pb
-from client._convert import SAMPLING_FIELDS
+from client.convert import SAMPLING_FIELDS
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from client.pb.logitpool.v1 import logitpool_pb2_grpc
 

@@ -1,4 +1,4 @@
-"""A fake engine for the worker deployment (cluster.worker takes an engine factory): no model,
+"""A fake engine for the worker deployment (cluster.worker_deployment takes an engine factory): no model,
 no torch step, a behaviour chosen per test. Tests run it in Serve's local testing mode, in
 this process, so the class attributes below are shared with the test."""
 

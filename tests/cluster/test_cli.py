@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import _serve_parser, build_config
+from cluster.cli.main import _serve_parser, build_config
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -49,7 +49,7 @@ def test_bad_flags_fail_with_the_field_named():
 
 
 def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monkeypatch):
-    from cluster.launch import local_cluster_env
+    from cluster.cli.launch import local_cluster_env
 
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     cfg = build_config(parse())

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.cli import banner, main
-from cluster.cli_errors import CliError
+from cluster.cli.main import banner, main
+from cluster.cli.errors import CliError
 from cluster.config import LogitpoolConfig
-from cluster.deploy_wait import cause
+from cluster.cli.deploy_wait import cause
 from cluster.pool_stats import PoolSnapshot
-from cluster.status_view import status_lines
+from cluster.cli.status_view import status_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ def test_debug_adds_the_traceback(tmp_path, capsys):
 
 def test_bad_processor_fails_in_seconds_without_ray():
     """In a fresh process, as an operator runs it: the import error, and Ray never imported."""
-    code = ("import sys; from cluster.cli import main; rc = main(['serve', '--logits-processors', 'nosuch.mod:C']);"
+    code = ("import sys; from cluster.cli.main import main; rc = main(['serve', '--logits-processors', 'nosuch.mod:C']);"
             "assert 'ray' not in sys.modules; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
@@ -119,7 +119,7 @@ def _app(status: str, **deployments: tuple[str, str]) -> SimpleNamespace:
 
 
 def test_wait_running_reports_then_fails_with_the_cause(monkeypatch):
-    from cluster import deploy_wait
+    from cluster.cli import deploy_wait
 
     states = iter([
         _app("DEPLOYING", W=("UPDATING", "A replica failed to start. Error:\nValueError: bad model\n")),
@@ -134,7 +134,7 @@ def test_wait_running_reports_then_fails_with_the_cause(monkeypatch):
 
 
 def test_wait_running_stops_waiting_for_unplaceable_replicas_once_serving(monkeypatch):
-    from cluster import deploy_wait
+    from cluster.cli import deploy_wait
 
     msg = ("Deployment 'W' has 1 replicas that have taken more than 30s to be scheduled. Resources required for "
            'each replica: {"CPU": 0.5, "GPU": 1.0}, total resources available: {"CPU": 6.0}. Use `ray status`.')
@@ -149,7 +149,7 @@ def test_wait_running_stops_waiting_for_unplaceable_replicas_once_serving(monkey
 
 
 def test_only_replicas_short_of_resources_count_as_unplaceable():
-    from cluster.deploy_wait import unplaceable
+    from cluster.cli.deploy_wait import unplaceable
 
     slow = ('has 1 replicas that have taken more than 5s to be scheduled. Resources required for each replica: '
             '{"CPU": 1.0}, total resources available: {"CPU": 6.0}.')

@@ -21,11 +21,11 @@ from cluster import frontend as frontend_module
 from cluster.app import build_app
 from cluster.config import LogitpoolConfig
 from cluster.frontend import Frontend
-from cluster.grpc_service import GrpcAdapter
-from cluster.http_adapter import HttpAdapter
-from cluster.http_app import build_api
+from cluster.rpc.service import GrpcAdapter
+from cluster.openai.adapter import HttpAdapter
+from cluster.openai.routes import build_api
 from cluster.pool_stats import PoolSnapshot
-from cluster.worker import WorkerDeployment
+from cluster.worker_deployment import WorkerDeployment
 from tests.cluster.fake_engine import FakeEngine, fake_token
 
 KEY = "sk-local"

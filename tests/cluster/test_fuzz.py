@@ -17,7 +17,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, event, example, given, settings
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
-from cluster.bench_soak import nested_extra_args_request
+from cluster.cli.bench_soak import nested_extra_args_request
 from cluster.config import LogitpoolConfig
 
 pytestmark = pytest.mark.ray
@@ -112,7 +112,7 @@ def fuzz_target(serve_ports, tiny_model_dir):
     """A deployment with only the built-in processors: any server error is then a bug."""
     from ray import serve
 
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
 
     cfg = LogitpoolConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "max_num_seqs": 16, "max_model_len": 64},

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from client.pb.logitpool.v1 import logitpool_pb2_grpc as pb_grpc
 from cluster.config import LogitpoolConfig
-from cluster.openai_protocol import fit_to_context
+from cluster.openai.protocol import fit_to_context
 from worker.sampling_params import INT64_MAX, SamplingParams
 
 APP = "parity"
@@ -57,7 +57,7 @@ def test_fit_to_context_matches_the_reference(prompt_len: int, max_tokens: int, 
 def app(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
 
     cfg = LogitpoolConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN},

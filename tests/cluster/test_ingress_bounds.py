@@ -31,7 +31,7 @@ HEADER_LIMIT = Limits().max_header_bytes  # the session cluster's proxy runs wit
 def app(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
 
     cfg = LogitpoolConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "max_num_seqs": 16, "max_model_len": 512},

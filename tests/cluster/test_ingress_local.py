@@ -19,14 +19,14 @@ from ray import serve
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster import frontend as frontend_module
-from cluster import http_adapter
+from cluster.openai import adapter as http_adapter
 from cluster.config import LogitpoolConfig
 from cluster.frontend import Frontend
-from cluster.grpc_service import GrpcAdapter
+from cluster.rpc.service import GrpcAdapter
 from cluster.grpc_servicers import GrpcRejected
-from cluster.http_adapter import HttpAdapter
-from cluster.http_app import build_api
-from cluster.worker import WorkerDeployment
+from cluster.openai.adapter import HttpAdapter
+from cluster.openai.routes import build_api
+from cluster.worker_deployment import WorkerDeployment
 from tests.cluster.fake_engine import FakeEngine
 from tests.cluster.test_frontend_local import KEY, _ctx
 

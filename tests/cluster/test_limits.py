@@ -168,7 +168,7 @@ def test_error_body_is_openai_shaped():
 
 
 def test_responses_never_carry_nan_or_infinity():
-    from cluster.http_wire import dumps
+    from cluster.openai.wire import dumps
 
     text = dumps({"logprob": -math.inf, "top": [math.nan, math.inf, 1.5], "ok": 2})
     assert json.loads(text) == {"logprob": -9999.0, "top": [None, 9999.0, 1.5], "ok": 2}
@@ -287,7 +287,7 @@ def test_bytes_that_are_not_utf8_are_400_naming_the_body():
     ('application/json;Charset="UTF-16"', "utf-16"), ("application/json; foo=bar; charset=latin-1", "latin-1"),
 ])
 def test_content_type_charset(content_type, charset):
-    from cluster.http_wire import charset as parse_charset
+    from cluster.openai.wire import charset as parse_charset
 
     assert parse_charset(content_type) == charset
 
@@ -329,7 +329,7 @@ def test_response_estimate_bounds_the_response_it_describes(prompts, n, length, 
     """The estimate against the entries a real completions response carries (built by the
     protocol's own code): never fewer; more only by the prompts' first positions (no logprob)."""
     from cluster.limits import ResponseShape, response_logprobs
-    from cluster.openai_protocol import Echo, completion_response
+    from cluster.openai.protocol import Echo, completion_response
 
     params = SamplingParams(n=n, max_tokens=generated, logprobs=k, prompt_logprobs=kp)
     outs = _outputs(prompts, n, length, generated, k, kp)
@@ -355,7 +355,7 @@ def test_the_issues_amplifying_request_is_refused_before_admission():
 
 def test_choices_share_their_prompts_logprobs():
     """Converted once per prompt, the same list in each of its n choices (not n copies)."""
-    from cluster.openai_protocol import completion_choices
+    from cluster.openai.protocol import completion_choices
 
     choices = list(completion_choices(_outputs(2, 3, 4, 1, None, 2), str))
     assert len(choices) == 6
@@ -372,7 +372,7 @@ _json_values = st.recursive(
 @given(st.dictionaries(st.text(max_size=6), _json_values, max_size=3), st.lists(_json_values, max_size=8),
        st.dictionaries(st.text(max_size=6), _json_values, max_size=3), st.integers(1, 200))
 def test_a_response_written_in_pieces_is_the_same_bytes(head, items, tail, chunk_bytes):
-    from cluster.http_wire import dumps, json_chunks
+    from cluster.openai.wire import dumps, json_chunks
 
     head.pop("choices", None)
     tail = {k: v for k, v in tail.items() if k not in head and k != "choices"}

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, classify, error_body
-from cluster.openai_protocol import (
+from cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     completion_logprobs,

@@ -1,7 +1,7 @@
 """The soak with faults, short: random valid traffic over HTTP and gRPC (some of it with fresh
 trivial constraints) with 10 % hostile requests, 10 % client cancellations, 1 % requests whose
 processor raises, issue 17's hostile classes (amplifying, heavy-grammar pairs, hogs at the
-sequence limits, streams whose client stops reading; cluster/soak_classes.py), and one worker
+sequence limits, streams whose client stops reading; cluster/cli/soak_classes.py), and one worker
 replica killed (SIGKILL) halfway. Every request must end exactly once with an outcome allowed for
 its kind; innocents fail only when in flight on the killed replica; batches end empty; the
 surviving worker replica's and the ingress's RSS grow < 5 % after warm-up. `logitpool bench soak`
@@ -13,8 +13,8 @@ import asyncio
 
 import pytest
 
-from cluster.bench_soak import CANCEL, FAULT, HOSTILE, INNOCENT, soak_config, soak_deployment
-from cluster.soak_classes import NEW_CLASSES
+from cluster.cli.bench_soak import CANCEL, FAULT, HOSTILE, INNOCENT, soak_config, soak_deployment
+from cluster.cli.soak_classes import NEW_CLASSES
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ APP = "soak"
 def soak_target(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
 
     cfg = deploy(soak_config(str(tiny_model_dir), *serve_ports, app=APP, max_num_seqs=16))
     wait_ready("127.0.0.1", cfg.server.http_port, timeout_s=180)

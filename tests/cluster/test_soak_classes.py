@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster import soak_classes as sc
-from cluster.bench_soak import Outcome, SoakReport
+from cluster.cli import soak_classes as sc
+from cluster.cli.bench_soak import Outcome, SoakReport
 from cluster.limits import Limits
 
 MiB = 1 << 20

@@ -33,7 +33,7 @@ class Verdict(BaseModel):
 def serving(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
 
     cfg = LogitpoolConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": 1024},

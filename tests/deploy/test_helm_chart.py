@@ -1,5 +1,5 @@
 """The Helm chart, offline: lint, render, validate what it renders, and prove that its
-`serveConfigV2` is what `cluster.serve_config.serve_config` makes of the same settings.
+`serveConfigV2` is what `cluster.deploy.serve_config.serve_config` makes of the same settings.
 
 No Kubernetes API server is needed: helm-python-sdk renders, KubeRay's RayService CRD
 (read from ../shared/data/kuberay, never copied here) and kubernetes-validate check the objects.
@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from cluster.config import LogitpoolConfig
-from cluster.serve_config import serve_config
+from cluster.deploy.serve_config import serve_config
 
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart offline")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from cluster.config import LogitpoolConfig
-from cluster.serve_config import render_yaml
+from cluster.deploy.serve_config import render_yaml
 from tests.deploy import sshd
 
 pytestmark = pytest.mark.slow
@@ -90,7 +90,7 @@ def derived_config(node: sshd.LoopbackSSHD, ports: dict[str, int], name: str) ->
     installs = [c for c in cfg["setup_commands"] if c.lstrip().startswith("pip install")]
     assert len(installs) == 2, installs
     cfg["setup_commands"] = [c for c in cfg["setup_commands"] if c not in installs] + [
-        "python -c 'import cluster.serve_config, client.pb.logitpool.v1.logitpool_pb2_grpc'"
+        "python -c 'import cluster.deploy.serve_config, client.pb.logitpool.v1.logitpool_pb2_grpc'"
     ]
     start = cfg["head_start_ray_commands"][-1]
     for old, new in [

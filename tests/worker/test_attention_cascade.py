@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker import attention_cascade
-from worker.attention import DecodeRows, PromptChunk, StepMetadata, _decode, paged_kv_attention
-from worker.attention_cascade import common_prefix_blocks, shared_chunks, shared_prefix
-from worker.block_gather import head_major
+from worker.model import cascade as attention_cascade
+from worker.model.attention import DecodeRows, PromptChunk, StepMetadata, _decode, paged_kv_attention
+from worker.model.cascade import common_prefix_blocks, shared_chunks, shared_prefix
+from worker.model.gather import head_major
 
 
 def reference_row(

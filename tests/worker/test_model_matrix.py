@@ -16,8 +16,8 @@ import torch
 
 from tests.worker.test_engine import hf_greedy
 from tests.worker.test_paged_engine import _engine, _run
-from worker import attention_cascade
-from worker.models import LoadedModel, load_model
+from worker.model import cascade as attention_cascade
+from worker.model.loader import LoadedModel, load_model
 from worker.sampling_params import SamplingParams
 
 _COMMON = dict(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model, unsupported_reason
+from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model, unsupported_reason
 
 SMALL = {"vocab_size": 600, "hidden_size": 64, "num_layers": 1, "intermediate_size": 128}
 

@@ -1,4 +1,4 @@
-"""SPEC §2.4's non-finite rules in the batched Sampler, against a plain per-row reference:
+"""The non-finite rules (docs/sampling.md "Non-finite values") in the batched Sampler, against a plain per-row reference:
 +inf forces (greedy: lowest id; random: uniform, exactly), all -inf and NaN fail their row alone
 with distinct messages, and rows without a special value are not affected."""
 

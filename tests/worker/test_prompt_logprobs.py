@@ -19,7 +19,7 @@ from tests.worker.test_paged_engine import _run as run_paged
 from worker.engine import LLMEngine
 from worker.llm import LLM
 from worker.outputs import PositionLogprobs, RequestOutput
-from worker.runner import ScheduledSeq
+from worker.model.runner import ScheduledSeq
 from worker.sampling_params import SamplingParams
 
 ATOL = 1e-4
@@ -155,7 +155,7 @@ def test_prompt_logprobs_capped_by_max_logprobs() -> None:
 
 def test_runner_returns_prompt_rows_after_sampled_rows(tiny_model) -> None:
     """Two chunks of one prompt and a plain row: sampled rows first, then each seq's prompt rows."""
-    from worker.runner import ModelRunner
+    from worker.model.runner import ModelRunner
 
     prompt, other = prompts_of(tiny_model, 2, lo=20, hi=21, seed=5)
     runner = ModelRunner(tiny_model, num_blocks=16, block_size=8)

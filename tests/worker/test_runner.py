@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.kv.block_pool import BlockPool
-from worker.models import LoadedModel, load_model
-from worker.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
+from worker.model.loader import LoadedModel, load_model
+from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
 
 ATOL = 2e-4  # float32; batched vs single-request logits differ by ~2e-5 on this model
 TIE_GAP = 1e-4  # greedy picks closer than this may flip with summation order
@@ -319,7 +319,7 @@ def test_a_runner_step_builds_no_transformers_mask(tiny_model: LoadedModel) -> N
     """The attention function masks by itself; an O(T^2) mask per step would be pure waste."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from worker.attention import ATTENTION_NAME, register_attention
+    from worker.model.attention import ATTENTION_NAME, register_attention
 
     runner = ModelRunner(tiny_model, num_blocks=8, block_size=16, max_model_len=64)
     calls = []

@@ -1,4 +1,4 @@
-"""SamplingParams validation (SPEC §2.5): each rule names the field and the bad value."""
+"""SamplingParams validation (docs/sampling.md "Validation and ranges"): each rule names the field and the bad value."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 B rows share a prefix of P tokens and own S more each (the 80M peer model's attention shape:
 12 query heads, 4 KV heads, head_dim 64). Both paths run on the same KV pool, interleaved, and
 the median per call is reported; the ratio shows where cascade attention starts to pay
-(``worker.attention_cascade.cascade_pays``).
+(``worker.model.cascade.cascade_pays``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from worker.attention import DecodeRows, StepMetadata, _decode
-from worker.attention_cascade import shared_prefix
-from worker.block_gather import head_major
+from worker.model.attention import DecodeRows, StepMetadata, _decode
+from worker.model.cascade import shared_prefix
+from worker.model.gather import head_major
 
 
 def decode_rows(

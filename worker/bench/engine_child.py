@@ -1,7 +1,7 @@
 """One engine build's uniform workload, for `python -m worker.bench.compare` (run as a script).
 
 Run with PYTHONPATH at any checkout of this project, old or new: it imports only
-``worker.llm.LLM``, ``worker.models.load_model`` and ``worker.sampling_params.SamplingParams``,
+``worker.llm.LLM``, ``worker.model.loader.load_model`` and ``worker.sampling_params.SamplingParams``,
 which every version since the slot engine has. Prints one JSON line:
 ``{"N": {"tok_s": float, "digest": str}}`` (digest: SHA-256 of every output token, in order).
 """
@@ -18,7 +18,7 @@ import torch
 
 def main(spec: dict) -> dict[str, dict]:
     from worker.llm import LLM
-    from worker.models import load_model
+    from worker.model.loader import load_model
     from worker.sampling_params import SamplingParams
 
     torch.set_num_threads(spec["threads"])

@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoTokenizer
 
-    from worker.models import build_tiny_model, default_model_path
+    from worker.model.loader import build_tiny_model, default_model_path
 
     path = args.model or str(build_tiny_model(default_model_path()))
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -18,8 +18,8 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.models import LoadedModel
-from worker.runner import block_bytes
+from worker.model.loader import LoadedModel
+from worker.model.runner import block_bytes
 from worker.sampling_params import SamplingParams
 
 # transformers' batched generate() timed: (model, prompts, new tokens) -> output tokens/s.

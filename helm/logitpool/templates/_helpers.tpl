@@ -52,7 +52,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: LOGITPOOL_HTTP_MAX_HEADER_BYTES
   value: {{ .Values.limits.max_header_bytes | toString | quote }}
 # Serve's gRPC proxy receives and sends messages up to this size (its default is 2 GiB);
-# limits.max_grpc_message_bytes, which `logitpool serve` sets likewise (cluster/launch.py).
+# limits.max_grpc_message_bytes, which `logitpool serve` sets likewise (cluster/cli/launch.py).
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
   value: {{ max .Values.limits.max_grpc_message_bytes .Values.limits.max_body_bytes | int64 | toString | quote }}
 {{- if eq .Values.ray.authMode "disabled" }}
@@ -94,7 +94,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/*
-The Serve config (RayService serveConfigV2). It must equal cluster.serve_config.serve_config()
+The Serve config (RayService serveConfigV2). It must equal cluster.deploy.serve_config.serve_config()
 of the equivalent LogitpoolConfig: tests/deploy/test_helm_chart.py compares the two.
 */}}
 {{- define "logitpool.serveConfig" -}}
@@ -173,7 +173,7 @@ applications:
         {{- end }}
         max_ongoing_requests: {{ $workerOngoing | toJson }}
         max_queued_requests: {{ $w.maxQueuedRequests | toJson }}
-        # cluster/serve_config.py HEALTH_CHECK_*: a dead engine is replaced within seconds.
+        # cluster/deploy/serve_config.py HEALTH_CHECK_*: a dead engine is replaced within seconds.
         health_check_period_s: 2.0
         health_check_timeout_s: 5.0
         ray_actor_options:

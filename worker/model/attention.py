@@ -6,7 +6,7 @@ sequence. ``paged_kv_attention`` writes every token's key/value into its slot of
 (keys gathered through the padded block table, per-row length mask), each multi-token chunk
 over its own blocks with a causal mask offset by the chunk's start. When the rows (or the
 chunks) of a step share leading blocks — a cached system prompt, ``n > 1`` siblings — the
-runner marks the split and ``worker.attention_cascade`` attends that prefix once for all of them.
+runner marks the split and ``worker.model.cascade`` attends that prefix once for all of them.
 GQA is handled by packing the query heads of a KV head together, so K/V are never repeated.
 
 Per-layer sliding windows (Mistral, Gemma 2/3 local layers) are extra mask terms, built once
@@ -33,8 +33,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from worker.attention_cascade import SharedChunks, SharedPrefix, cascade_chunks, cascade_decode
-from worker.block_gather import gather_blocks
+from worker.model.cascade import SharedChunks, SharedPrefix, cascade_chunks, cascade_decode
+from worker.model.gather import gather_blocks
 
 ATTENTION_NAME = "logitpool_paged_kv"
 METADATA_KWARG = "logitpool_step"

@@ -21,7 +21,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.errors import ResponseTooLarge, classify
 from cluster.frontend import Frontend
-from cluster.grpc_convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
+from cluster.rpc.convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
 from cluster.grpc_servicers import GrpcRejected, WireRequest, install_rejection_logging, one_line
 from cluster.limits import PayloadTooLarge
 from worker.outputs import OutputAccumulator

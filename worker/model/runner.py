@@ -7,8 +7,8 @@ scheduled sequence brings its block table (``worker.kv`` does the bookkeeping), 
 swapping rows of the persistent batch copies no KV, and blocks shared by a cached prefix are
 simply listed in several tables. Each step flattens all scheduled tokens — decode rows and prompt
 chunks alike — into one ``[1, T]`` sequence with explicit position ids and runs the model once;
-``worker.attention`` does the rest. Where the step's decode rows (or prompt chunks) share leading
-blocks and it pays, the metadata marks the split for cascade attention (``worker.attention_cascade``).
+``worker.model.attention`` does the rest. Where the step's decode rows (or prompt chunks) share leading
+blocks and it pays, the metadata marks the split for cascade attention (``worker.model.cascade``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from itertools import chain
 
 import torch
 
-from worker.attention import (
+from worker.model.attention import (
     METADATA_KWARG,
     DecodeRows,
     PromptChunk,
@@ -27,9 +27,9 @@ from worker.attention import (
     prepared_mask_sentinel,
     register_attention,
 )
-from worker.attention_cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
-from worker.block_gather import head_major
-from worker.models import LoadedModel
+from worker.model.cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
+from worker.model.gather import head_major
+from worker.model.loader import LoadedModel
 
 DEFAULT_BLOCK_SIZE = 16
 

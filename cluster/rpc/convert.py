@@ -1,4 +1,4 @@
-"""gRPC wire types <-> worker types, server side (the client has its own, in client/_convert.py).
+"""gRPC wire types <-> worker types, server side (the client has its own, in client/convert.py).
 
 The JSON value codec for ``extra_args`` is the wire schema's and is shared with the client, so
 an integer stays an integer end to end.
@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from client import extra_args_from_pb
-from client._convert import structured_outputs_from_pb
+from client.convert import structured_outputs_from_pb
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from worker.logits_processor.registry import ProcessorInfo
 from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput

@@ -2,7 +2,7 @@
 
 Holds a `Frontend` and does only what is HTTP's: reading the body within the limits, parsing
 it into the protocol's models, and rendering responses, stream chunks and errors (whose JSON is
-built in one place, cluster.http_app.status_response / error_body). Routes: cluster.http_app.
+built in one place, cluster.openai.routes.status_response / error_body). Routes: cluster.openai.routes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cluster import limits as request_limits
 from cluster import pool_stats
 from cluster.errors import classify, error_body
 from cluster.frontend import Frontend
-from cluster.http_wire import (
+from cluster.openai.wire import (
     StreamedJSONResponse,
     StrictJSONResponse,
     charset,
@@ -35,7 +35,7 @@ from cluster.limits import (
     UnsupportedMediaType,
     response_logprobs,
 )
-from cluster.openai_protocol import (
+from cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Echo,
@@ -63,7 +63,7 @@ from worker.sampling_params import SamplingParams
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 DONE = "data: [DONE]\n\n"
 # A response that may carry more logprob entries than this, or more choices, is written in
-# pieces as it is encoded (cluster.http_wire.json_chunks), never held whole next to its objects.
+# pieces as it is encoded (cluster.openai.wire.json_chunks), never held whole next to its objects.
 STREAM_ABOVE_LOGPROBS = 1 << 14
 STREAM_ABOVE_CHOICES = 64
 

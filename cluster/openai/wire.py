@@ -38,7 +38,7 @@ class StrictJSONResponse(JSONResponse):
         return dumps(content).encode("utf-8")
 
 
-# A large response goes out in pieces of about this size (cluster.http_adapter decides "large").
+# A large response goes out in pieces of about this size (cluster.openai.adapter decides "large").
 CHUNK_BYTES = 1 << 16
 
 

@@ -7,7 +7,7 @@ The load (over HTTP and gRPC, ``--concurrency`` clients at a time):
   ``INVALID_ARGUMENT`` with a JSON error body, or a valid answer where one exists;
 - 10 % streams the client cancels after the first chunk;
 - 1 % enabling ``FaultInjectionProcessor`` (a processor that raises for that request alone);
-- issue 17's hostile classes, each bounded in count (cluster/soak_classes.py says what each may
+- issue 17's hostile classes, each bounded in count (cluster/cli/soak_classes.py says what each may
   end with): amplifying completions, heavy-grammar pairs, hogs at the sequence limits, and
   streams whose client stops reading; some innocents carry fresh trivial constraints;
 - one worker replica killed (SIGKILL) halfway through.
@@ -36,9 +36,9 @@ import grpc
 import httpx
 
 from client import AsyncClient, InternalError, LogitpoolError, Unavailable
-from cluster import soak_classes as sc
+from cluster.cli import soak_classes as sc
 from cluster.limits import Limits
-from cluster.soak_classes import (  # noqa: F401 - the kinds and outcomes, re-exported for callers
+from cluster.cli.soak_classes import (  # noqa: F401 - the kinds and outcomes, re-exported for callers
     ALLOWED, AMPLIFY, CANCEL, CANCELLED, FAULT, FAULTED, HEAVY_GRAMMAR, HOG, HOSTILE, INNOCENT, OK, REJECTED,
     HOSTILE_HTTP, STALL, STALLED, UNAVAILABLE, UNEXPECTED, WORDS, grpc_hostile, nested_extra_args_request)
 from worker.bench.faults import FQCN as FAULT_FQCN
@@ -527,8 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long a non-reading stream's client holds it unread before closing")
     p.add_argument("--outcomes", help="write every request's outcome to this file (JSON lines)")
     args = p.parse_args(argv)
-    from cluster.launch import start_serve, wait_ready
-    from worker.models import build_tiny_model, default_model_path
+    from cluster.cli.launch import start_serve, wait_ready
+    from worker.model.loader import build_tiny_model, default_model_path
 
     cfg = soak_config(str(build_tiny_model(default_model_path())), args.http_port, args.grpc_port)
     cfg = start_serve(cfg)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.block_gather import gather_blocks, head_major
+from worker.model.gather import gather_blocks, head_major
 
 # When cascade pays, measured with ``python -m worker.bench.cascade`` (one layer, 12 heads / 4 KV
 # heads, head_dim 64, 48 own tokens, 2 threads): 2 rows lose even at 768 shared tokens (0.6-0.96x),

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.openai_structured import (
+from cluster.openai.structured import (
     ForcedTool,
     forced_tool,
     reject_not_implemented,
@@ -73,7 +73,7 @@ class _SamplingFields(BaseModel):
     # vLLM's extension: lower is admitted sooner (worker.fairness: among one API key's requests,
     # never beyond a fair share while others wait). The gRPC field's range.
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
-    # Structured outputs: at most one (cluster/openai_structured.py).
+    # Structured outputs: at most one (cluster/openai/structured.py).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -376,7 +376,7 @@ def completion_choices(
     echoes: Sequence[Echo] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The choices of a completions response, one at a time (a large response is written as they
-    come, cluster.http_wire.json_chunks). A prompt's `prompt_logprobs` are converted once and the
+    come, cluster.openai.wire.json_chunks). A prompt's `prompt_logprobs` are converted once and the
     same list is every one of its choices' (the JSON repeats them per choice, as vLLM's)."""
     for i, out in enumerate(outs):
         plp = prompt_logprobs_json(out.prompt_logprobs)

@@ -1,6 +1,6 @@
 """`logitpool serve | status | scale | generate | bench` — heavy imports happen inside each command.
 
-A failing command prints one line naming the problem and exits with 2 (cluster.cli_errors); the
+A failing command prints one line naming the problem and exits with 2 (cluster.cli.errors); the
 traceback only with `--debug`."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from cluster.cli_errors import EXIT_BROKEN_PIPE, EXIT_ERROR, CliError, one_line
-from cluster.launch import deploy, healthy, start_serve, wait_ready
+from cluster.cli.errors import EXIT_BROKEN_PIPE, EXIT_ERROR, CliError, one_line
+from cluster.cli.launch import deploy, healthy, start_serve, wait_ready
 
 
 
@@ -126,7 +126,7 @@ def banner(cfg: Any, host: str, keys: bool, session_path: Path | None = None, st
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cluster import session
+    from cluster.cli import session
 
     cfg = build_config(args)
     check_model(cfg)
@@ -171,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _session_path(args: argparse.Namespace) -> Path:
-    from cluster import session
+    from cluster.cli import session
 
     return args.session or session.default_path()
 
@@ -179,9 +179,10 @@ def _session_path(args: argparse.Namespace) -> Path:
 def cmd_status(args: argparse.Namespace) -> int:
     import asyncio
 
-    from cluster import pool_stats, session
-    from cluster.deploy_wait import app_status
-    from cluster.status_view import status_lines
+    from cluster import pool_stats
+    from cluster.cli import session
+    from cluster.cli.deploy_wait import app_status
+    from cluster.cli.status_view import status_lines
 
     data = session.join(_session_path(args))
     app = data["config"]["app_name"]
@@ -190,7 +191,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from cluster import session
+    from cluster.cli import session
     from cluster.config import LogitpoolConfig
 
     if args.replicas < 1:
@@ -296,13 +297,13 @@ def _main(argv: list[str] | None) -> int:
     elif args.what == "engine":
         from worker.bench.engine import main as bench_main
     elif args.what == "soak":
-        from cluster.bench_soak import main as bench_main
+        from cluster.cli.bench_soak import main as bench_main
     elif args.what == "processors":
         from worker.bench.processors import main as bench_main
     elif args.what == "structured":
         from worker.bench.structured import main as bench_main
     else:
-        from cluster.bench_serve import main as bench_main
+        from cluster.cli.bench_serve import main as bench_main
     return bench_main(args.rest) or 0
 
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cluster.cli_errors import CliError
+from cluster.cli.errors import CliError
 
 # What a joining driver needs of `local_cluster_env` (the rest concerns the processes Ray starts).
 _JOIN_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")

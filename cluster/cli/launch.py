@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.cli_errors import CliError
+from cluster.cli.errors import CliError
 
 READY_TIMEOUT_S = 600.0
 LOCAL_NUM_CPUS = 8
@@ -76,7 +76,7 @@ def start_serve(cfg: Any, address: str | None = None, *, report: Any = _report) 
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from cluster.serve_config import GRPC_SERVICER_FUNCTIONS
+    from cluster.deploy.serve_config import GRPC_SERVICER_FUNCTIONS
 
     if not ray.is_initialized():
         if address is None:
@@ -101,7 +101,7 @@ def deploy(cfg: Any, *, timeout_s: float = READY_TIMEOUT_S, report: Any = _repor
     from ray.serve.api import _run
 
     from cluster.app import build_app, resolve_model
-    from cluster.deploy_wait import quiet_serve_start, wait_running
+    from cluster.cli.deploy_wait import quiet_serve_start, wait_running
 
     cfg = resolve_model(cfg)
     with quiet_serve_start():

@@ -63,13 +63,13 @@ def fmt(name: str, n: int, r: Latency, base: Latency | None) -> str:
 async def amain(args: argparse.Namespace) -> None:
     from worker.async_engine import AsyncEngine
     from worker.config import EngineConfig
-    from worker.models import build_tiny_model, default_model_path, load_model
+    from worker.model.loader import build_tiny_model, default_model_path, load_model
 
     model = args.model or str(build_tiny_model(default_model_path()))
     http_base, grpc_target = args.http, args.grpc
     if http_base is None or grpc_target is None:
         from cluster.config import LogitpoolConfig
-        from cluster.launch import start_serve, wait_ready
+        from cluster.cli.launch import start_serve, wait_ready
 
         cfg = LogitpoolConfig.model_validate(
             {

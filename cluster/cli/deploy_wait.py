@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from cluster.cli_errors import CliError
+from cluster.cli.errors import CliError
 
 if TYPE_CHECKING:
     from ray.serve.schema import ApplicationStatusOverview

@@ -1,7 +1,7 @@
 """Generate the Helm chart's `values.schema.json` from the pydantic config model.
 
-    python -m cluster.helm_schema            # rewrite helm/logitpool/values.schema.json
-    python -m cluster.helm_schema --check    # exit 1 when the checked-in file is stale
+    python -m cluster.deploy.helm_schema            # rewrite helm/logitpool/values.schema.json
+    python -m cluster.deploy.helm_schema --check    # exit 1 when the checked-in file is stale
 
 Every chart value that becomes a `LogitpoolConfig` field (`VALUES_TO_CONFIG`; the template
 `logitpool.serveConfig` makes the same mapping) takes its type, bounds and enums from the model,
@@ -25,7 +25,7 @@ from pydantic_core import core_schema
 from cluster.config import ENGINE_FIELDS, ENGINE_JSON_SCHEMA, AutoscalingConfig, LogitpoolConfig
 from cluster.limits import Limits
 
-CHART = Path(__file__).resolve().parent.parent / "helm" / "logitpool"
+CHART = Path(__file__).resolve().parents[2] / "helm" / "logitpool"
 SCHEMA = CHART / "values.schema.json"
 K8S_SCHEMA = CHART / "values.schema.k8s.json"
 
@@ -165,7 +165,7 @@ def render() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m cluster.helm_schema", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m cluster.deploy.helm_schema", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--check", action="store_true", help="only compare with the checked-in schema")
     args = p.parse_args(argv)

@@ -16,9 +16,9 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.errors import Status, classify
-from cluster.http_adapter import HttpAdapter
-from cluster.http_wire import status_response
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai.adapter import HttpAdapter
+from cluster.openai.wire import status_response
+from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 TITLE = "logitpool"
 DESCRIPTION = "OpenAI-compatible completions over a logitpool worker pool"
