@@ -117,6 +117,10 @@ class SoakReport:
         lines = ["| kind | outcome | requests |", "|---|---|---|"]
         for (kind, result), n in sorted(self.table().items()):
             lines.append(f"| {kind} | {result} | {n} |")
+        by_name = collections.Counter((o.kind, o.name, o.result) for o in self.outcomes if o.kind in sc.NEW_CLASSES)
+        if by_name:
+            lines += ["", "| hostile class | request | outcome | requests |", "|---|---|---|---|"]
+            lines += [f"| {kind} | {name} | {result} | {n} |" for (kind, name, result), n in sorted(by_name.items())]
         lines.append(f"\n{len(self.outcomes)} requests in {self.seconds:.1f} s")
         if self.kill_time is not None:
             lost = sum(1 for o in self.outcomes if o.kind == INNOCENT and self.excused(o))

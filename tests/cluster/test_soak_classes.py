@@ -178,6 +178,7 @@ def test_report_judges_the_new_classes():
     assert report.innocent_latency(sc.AMPLIFY) is None
     table = report.render()
     assert "| stall | stalled | 1 |" in table and "ingress pid 2: RSS 100 -> 120 MiB" in table
+    assert "| hog | hog_limits_4096 | unexpected | 1 |" in table
 
 
 def test_report_counts_worker_deaths_beyond_the_kill():
