@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+from worker.structured_outputs import MAX_CONSTRAINT_BYTES
 
 if TYPE_CHECKING:
     from worker.sampling_params import SamplingParams
@@ -60,6 +62,9 @@ class Limits(BaseModel):
     """Characters in one stop string or bad word."""
     max_logit_bias: PositiveInt = 1024
     max_allowed_token_ids: PositiveInt = 1 << 17
+    max_constraint_bytes: Annotated[int, Field(gt=0, le=MAX_CONSTRAINT_BYTES)] = MAX_CONSTRAINT_BYTES
+    """A structured-output constraint (schema, regex, grammar or choices) in UTF-8 bytes, checked
+    before it is compiled; at most the engine's own bound, which it enforces too."""
     read_timeout_s: PositiveFloat = 10.0
     """HTTP: the whole request (headers and body) must arrive within this many seconds of the
     connection, or of the first byte of a later request on it (see cluster.slow_clients)."""
@@ -191,3 +196,8 @@ def check_request(limits: Limits, params: SamplingParams, num_prompts: int) -> N
                     limits.max_allowed_token_ids)
     if params.extra_args:
         _check_extra_args(limits, params.extra_args)
+    so = params.structured_outputs
+    if so is not None:
+        size = len(so.spec.encode("utf-8", "surrogatepass"))
+        if size > limits.max_constraint_bytes:
+            raise _over(so.field_name, "bytes", size, "max_constraint_bytes", limits.max_constraint_bytes)
