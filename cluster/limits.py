@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
 
 from worker.structured_outputs import MAX_CONSTRAINT_BYTES
 
@@ -62,9 +62,10 @@ class Limits(BaseModel):
     """Characters in one stop string or bad word."""
     max_logit_bias: PositiveInt = 1024
     max_allowed_token_ids: PositiveInt = 1 << 17
-    max_constraint_bytes: Annotated[int, Field(gt=0, le=MAX_CONSTRAINT_BYTES)] = MAX_CONSTRAINT_BYTES
+    max_constraint_bytes: PositiveInt = MAX_CONSTRAINT_BYTES
     """A structured-output constraint (schema, regex, grammar or choices) in UTF-8 bytes, checked
-    before it is compiled; at most the engine's own bound, which it enforces too."""
+    before it is compiled. The engine enforces its own bound (the default) as well: raising this
+    past it lets nothing larger through."""
     read_timeout_s: PositiveFloat = 10.0
     """HTTP: the whole request (headers and body) must arrive within this many seconds of the
     connection, or of the first byte of a later request on it (see cluster.slow_clients)."""

@@ -18,7 +18,7 @@ KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar", "json_object")
 
 # The largest constraint a request may give, as its canonical ``spec`` in UTF-8 bytes: compile
 # cost grows with it (issue 17: a 600 KB grammar took 5 GB and 15 minutes to compile). The
-# engine's compiler enforces it; the ingress's ``limits.max_constraint_bytes`` may only lower it.
+# engine's compiler enforces it; the ingress checks ``limits.max_constraint_bytes`` (default: this).
 MAX_CONSTRAINT_BYTES = 64 << 10
 
 
