@@ -14,7 +14,11 @@ from hypothesis import strategies as st
 
 from worker.logits_processor import BatchUpdate
 from worker.logits_processor.registry import BUILTIN_PROCESSORS
-from worker.logits_processor.structured import StructuredOutputsLogitsProcessor, apply_token_bitmask_, unpack_bitmask
+from worker.logits_processor.structured import (
+    StructuredOutputsLogitsProcessor,
+    apply_token_bitmask_,
+    unpack_bitmask,
+)
 from worker.logits_processor.structured_grammar import StructuredCompiler
 from worker.sampling_params import SamplingParams
 from worker.structured_outputs import StructuredOutputsParams

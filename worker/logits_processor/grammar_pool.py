@@ -230,7 +230,7 @@ class _Manager:
         try:
             while self._step():
                 pass
-        except BaseException:  # noqa: BLE001 - a bug here must not leave workers or callers behind
+        except BaseException:  # a bug here must not leave workers or callers behind (finally)
             logger.exception("grammar pool manager failed")
         finally:
             self.alive = False

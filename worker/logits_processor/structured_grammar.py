@@ -27,7 +27,13 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from worker.logits_processor.grammar_pool import GrammarPool, Outcome, TokenizerSnapshot, Verdict, shared_pool
+from worker.logits_processor.grammar_pool import (
+    GrammarPool,
+    Outcome,
+    TokenizerSnapshot,
+    Verdict,
+    shared_pool,
+)
 from worker.logits_processor.grammar_worker import compile_spec
 from worker.structured_outputs import MAX_CONSTRAINT_BYTES, StructuredOutputsParams
 
@@ -379,21 +385,26 @@ class StructuredCompiler:
         return RuntimeError(f"{where}: grammar compiling is unavailable: {verdict.message}")
 
     def _run(self, key: tuple[str, str], fut: Future[CompiledConstraint]) -> None:
-        """The owner's compile: the sandbox's verdict, then (if OK) the compile here; publish it."""
+        """The owner's compile, published to the cache and to every waiter."""
         try:
-            verdict = self.pool.run(*key, self._tokenizer_snapshot(), self.timeout_s)
-            if verdict.outcome is not Outcome.OK:
-                raise _Rejected(verdict)
-            try:
-                compiled = self._compile_now(*key)
-            except Exception as exc:  # the sandbox compiled it; so should this process
-                raise _Rejected(Verdict(Outcome.INVALID, str(exc))) from None
-            if self._admits_nothing(compiled):
-                raise _Rejected(Verdict(Outcome.INVALID, ADMITS_NOTHING))
-        except BaseException as exc:
+            compiled = self._vouched_compile(*key)
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter through the future
             self._finish(key, fut, None, exc)
         else:
             self._finish(key, fut, compiled, None)
+
+    def _vouched_compile(self, kind: str, spec: str) -> CompiledConstraint:
+        """The sandbox's verdict, then (if OK) the compile here: a computation known to finish."""
+        verdict = self.pool.run(kind, spec, self._tokenizer_snapshot(), self.timeout_s)
+        if verdict.outcome is not Outcome.OK:
+            raise _Rejected(verdict)
+        try:
+            compiled = self._compile_now(kind, spec)
+        except Exception as exc:  # noqa: BLE001 - the sandbox compiled it, so this should too
+            raise _Rejected(Verdict(Outcome.INVALID, str(exc))) from None
+        if self._admits_nothing(compiled):
+            raise _Rejected(Verdict(Outcome.INVALID, ADMITS_NOTHING))
+        return compiled
 
     def _admits_nothing(self, compiled: CompiledConstraint) -> bool:
         """Proven unsatisfiable (the engine would find no token to sample): a 400, not a failed
