@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
 
+from worker.structured_outputs import MAX_CONSTRAINT_BYTES
+
 if TYPE_CHECKING:
     from worker.sampling_params import SamplingParams
 
@@ -66,6 +68,10 @@ class Limits(BaseModel):
     """Characters in one stop string or bad word."""
     max_logit_bias: PositiveInt = 1024
     max_allowed_token_ids: PositiveInt = 1 << 17
+    max_constraint_bytes: PositiveInt = MAX_CONSTRAINT_BYTES
+    """A structured-output constraint (schema, regex, grammar or choices) in UTF-8 bytes, checked
+    before it is compiled. The engine enforces its own bound (the default) as well: raising this
+    past it lets nothing larger through."""
     read_timeout_s: PositiveFloat = 10.0
     """HTTP: the whole request (headers and body) must arrive within this many seconds of the
     connection, or of the first byte of a later request on it (see cluster.slow_clients)."""
@@ -248,6 +254,11 @@ def check_request(limits: Limits, params: SamplingParams, num_prompts: int) -> N
                     limits.max_allowed_token_ids)
     if params.extra_args:
         _check_extra_args(limits, params.extra_args)
+    so = params.structured_outputs
+    if so is not None:
+        size = len(so.spec.encode("utf-8", "surrogatepass"))
+        if size > limits.max_constraint_bytes:
+            raise _over(so.field_name, "bytes", size, "max_constraint_bytes", limits.max_constraint_bytes)
 
 
 @dataclass(frozen=True)
