@@ -91,10 +91,14 @@ class PoolStats:
 
     pids: frozenset[int] = frozenset()  # worker processes alive
     light_running: int = 0
-    heavy_running: int = 0
+    heavy_pids: frozenset[int] = frozenset()  # the workers running heavy compiles
     queued: int = 0
     jobs: int = 0  # compiles handed to a worker so far
     kills: int = 0  # workers killed because their compile ran past a bound (light_s or its timeout)
+
+    @property
+    def heavy_running(self) -> int:
+        return len(self.heavy_pids)
 
 
 @dataclass(frozen=True)
@@ -252,9 +256,9 @@ class _Manager:
                 self._read(key.data)
         self._expire(time.monotonic())
         self._dispatch(time.monotonic())
-        heavy = self._heavy_running()
+        heavy = frozenset(p.popen.pid for p in self.procs if p.task is not None and p.heavy)
         self.stats = PoolStats(frozenset(p.popen.pid for p in self.procs),
-                               sum(1 for p in self.procs if p.task is not None) - heavy, heavy,
+                               sum(1 for p in self.procs if p.task is not None) - len(heavy), heavy,
                                len(self.light) + len(self.heavy), self.jobs, self.kills)
         return True
 
