@@ -146,9 +146,9 @@ HEAVY = {"type": "string", "pattern": "^(a|b){1,19999}$"}
 
 @dataclass(frozen=True)
 class Usage:
-    cores: float  # CPU seconds per second over the window, all pool processes together
+    cores: float  # CPU seconds per second over the window, all of the processes together
     rss_mb: float
-    processes: int
+    processes: int  # of them alive at the end
 
 
 def _proc_cpu_rss(pid: int) -> tuple[float, float]:
@@ -163,14 +163,12 @@ def _proc_cpu_rss(pid: int) -> tuple[float, float]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), rss / 1024
 
 
-def pool_usage(pool: GrammarPool, window_s: float = 1.0) -> Usage:
-    pids = pool.stats().pids
+def usage(pids: frozenset[int], window_s: float = 1.0) -> Usage:
     before = {p: _proc_cpu_rss(p)[0] for p in pids}
     time.sleep(window_s)
     after = {p: _proc_cpu_rss(p) for p in pids}
-    cores = sum(max(0.0, cpu - before[p]) for p, (cpu, _) in after.items()) / window_s
     alive = [rss for _, rss in after.values() if rss > 0]
-    return Usage(cores, sum(alive), len(alive))
+    return Usage(sum(max(0.0, cpu - before[p]) for p, (cpu, _) in after.items()) / window_s, sum(alive), len(alive))
 
 
 def _trivial_ms(compiler: StructuredCompiler, tag: str, n: int) -> float:
@@ -183,23 +181,25 @@ def _trivial_ms(compiler: StructuredCompiler, tag: str, n: int) -> float:
 
 
 def compile_isolation(tokenizer: Any, vocab_size: int, timeout_s: float, n: int) -> dict[str, Any]:
-    """Usage before / during / after one heavy compile; trivial latency alone and under two heavy."""
+    """The heavy compile's process while compiling and after its kill; trivial latency alone and
+    while two heavy compiles hold the pool."""
     pool = GrammarPool()
     c = StructuredCompiler.from_tokenizer(tokenizer, vocab_size, timeout_s=timeout_s, pool=pool)
     try:
+        _trivial_ms(c, "w", 3)  # the pool started, its spare too
+        time.sleep(1.0)
         alone = _trivial_ms(c, "a", n)
-        idle = pool_usage(pool)
         heavy = [threading.Thread(target=_expect_error, args=(c, i), daemon=True) for i in range(2)]
         for t in heavy:
             t.start()
-        while pool.stats().heavy_running < 1:
+        while not pool.stats().heavy_pids:
             time.sleep(0.01)
-        during = pool_usage(pool)
+        compiling = pool.stats().heavy_pids
+        during = usage(compiling)
         loaded = _trivial_ms(c, "b", n)
         for t in heavy:
             t.join()
-        after = pool_usage(pool)
-        return {"alone_ms": alone, "loaded_ms": loaded, "idle": idle, "during": during, "after": after,
+        return {"alone_ms": alone, "loaded_ms": loaded, "during": during, "after": usage(compiling),
                 "kills": pool.stats().kills}
     finally:
         pool.shutdown()
@@ -215,12 +215,12 @@ def _expect_error(c: StructuredCompiler, i: int) -> None:
 
 
 def _print_isolation(r: dict[str, Any], timeout_s: float) -> None:
-    print(f"\ncompile isolation: heavy = {json.dumps(HEAVY)} (killed at {timeout_s:g}s); "
-          f"{r['kills']} workers killed at a bound\n")
-    print("| compile pool | cores | RSS MB | processes |\n|---|---|---|---|")
-    for name in ("idle", "during", "after"):
-        u = r[name]
-        print(f"| {name} | {u.cores:.2f} | {u.rss_mb:.0f} | {u.processes} |")
+    d, a = r["during"], r["after"]
+    print(f"\ncompile isolation: heavy = {json.dumps(HEAVY)}, bound {timeout_s:g}s; {r['kills']} workers killed "
+          "at a bound\n")
+    print("| the heavy compile's worker | cores | RSS MB | alive |\n|---|---|---|---|")
+    print(f"| compiling | {d.cores:.2f} | {d.rss_mb:.0f} | {d.processes} |")
+    print(f"| after its kill | {a.cores:.2f} | {a.rss_mb:.0f} | {a.processes} |")
     print(f"\ntrivial compile (cache miss), median: alone {r['alone_ms']:.1f} ms, while two heavy compiles hold "
           f"the pool {r['loaded_ms']:.1f} ms (ratio {r['loaded_ms'] / r['alone_ms']:.2f})")
 
@@ -261,5 +261,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, cold, warm in compile_costs(tokenizer, vocab_size, args.repeats):
         print(f"| {i} | {cold:.2f} | {warm:.4f} |")
     if args.isolation:
-        _print_isolation(compile_isolation(tokenizer, vocab_size, args.heavy_timeout, n=9), args.heavy_timeout)
+        _print_isolation(compile_isolation(tokenizer, vocab_size, args.heavy_timeout, n=25), args.heavy_timeout)
     return 0

@@ -91,10 +91,14 @@ class PoolStats:
 
     pids: frozenset[int] = frozenset()  # worker processes alive
     light_running: int = 0
-    heavy_running: int = 0
+    heavy_pids: frozenset[int] = frozenset()  # the workers running heavy compiles
     queued: int = 0
     jobs: int = 0  # compiles handed to a worker so far
     kills: int = 0  # workers killed because their compile ran past a bound (light_s or its timeout)
+
+    @property
+    def heavy_running(self) -> int:
+        return len(self.heavy_pids)
 
 
 @dataclass(frozen=True)
@@ -208,17 +212,24 @@ class _Manager:
         self.jobs = 0
         self.kills = 0
         self.alive = True
+        self._closed = False
+        self._wake_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="logitpool-grammar-pool", daemon=True)
         self.thread.start()
 
     # -- the caller's side -----------------------------------------------------------------
 
     def submit(self, task: _Task | None) -> None:
-        self.inbox.put(task)
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (the loop is about to wake anyway) or closed (stopped)
+        with self._wake_lock:  # never a write to the wake pipe once it is closed (its fd may be reused)
+            if not self._closed:
+                self.inbox.put(task)
+                try:
+                    os.write(self._wake_w, b"\0")
+                except BlockingIOError:
+                    pass  # the pipe is full: the loop is about to wake anyway
+                return
+        if task is not None:
+            task.finish(Verdict(Outcome.UNAVAILABLE, "the compile pool shut down"))
 
     def stop(self) -> None:
         self.submit(None)
@@ -245,9 +256,9 @@ class _Manager:
                 self._read(key.data)
         self._expire(time.monotonic())
         self._dispatch(time.monotonic())
-        heavy = self._heavy_running()
+        heavy = frozenset(p.popen.pid for p in self.procs if p.task is not None and p.heavy)
         self.stats = PoolStats(frozenset(p.popen.pid for p in self.procs),
-                               sum(1 for p in self.procs if p.task is not None) - heavy, heavy,
+                               sum(1 for p in self.procs if p.task is not None) - len(heavy), heavy,
                                len(self.light) + len(self.heavy), self.jobs, self.kills)
         return True
 
@@ -272,23 +283,20 @@ class _Manager:
             heapq.heappush(self.light, task)
 
     def _close(self) -> None:
+        with self._wake_lock:
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        gone = Verdict(Outcome.UNAVAILABLE, "the compile pool shut down")
         for p in list(self.procs):
-            self._kill(p, Verdict(Outcome.UNAVAILABLE, "the compile pool shut down"))
-        for t in [*self.light, *self.heavy]:
-            t.finish(Verdict(Outcome.UNAVAILABLE, "the compile pool shut down"))
-        self.light.clear()
-        self.heavy.clear()
-        while True:
-            try:
-                t = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+            self._kill(p, gone)
+        self._fail_queued(gone)
+        while not self.inbox.empty():
+            t = self.inbox.get_nowait()
             if t is not None:
-                t.finish(Verdict(Outcome.UNAVAILABLE, "the compile pool shut down"))
+                t.finish(gone)
         self.stats = PoolStats(jobs=self.jobs, kills=self.kills)
         self.sel.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     # -- bounds ------------------------------------------------------------------------------
 
