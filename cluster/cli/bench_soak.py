@@ -352,7 +352,7 @@ class _Load:
         if ordinal % 2:
             try:
                 out = await self.gc.generate("x", max_tokens=4, structured_outputs=so)
-                answer = sc.Answer(200, out.error or "")
+                answer = sc.Answer(500, out.error) if out.error else sc.Answer(200)
             except LogitpoolError as exc:
                 answer = sc.grpc_answer(exc.code, str(exc))
             return "grpc_heavy_grammar", *sc.classify(sc.HEAVY_GRAMMAR_RULE, answer)
