@@ -1,11 +1,13 @@
 """logitpool's gRPC client library. Depends on grpcio and protobuf only (never torch or ray).
 
+Usage:
+
     from client import Client
     with Client("localhost:9000", api_key="...", application="logitpool") as c:
         c.generate("Hello", max_tokens=8, temperature=0.0, extra_args={"target_token": 67})
 """
 
-from client._convert import extra_args_from_pb, json_from_pb, json_to_pb
+from client.convert import extra_args_from_pb, json_from_pb, json_to_pb
 from client.aio import AsyncClient, AsyncStream
 from client.errors import (
     DeadlineExceeded,
@@ -31,8 +33,8 @@ __all__ = [
     "DeadlineExceeded",
     "InternalError",
     "InvalidArgument",
-    "Logprob",
     "LogitpoolError",
+    "Logprob",
     "ProcessorInfo",
     "ResourceExhausted",
     "Stream",

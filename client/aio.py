@@ -16,18 +16,21 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
-from client import _convert
+from client import convert
 from client._retry import Deadline, RetryPolicy, check_timeout
 from client.errors import DeadlineExceeded, LogitpoolError, Unavailable, from_rpc_error
+from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from client.pb.logitpool.v1 import logitpool_pb2_grpc
 from client.types import Chunk, Completion, ProcessorInfo
 
 T = TypeVar("T")
+_StreamCall = grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateStreamResponse]
 
 
 class AsyncClient:
@@ -48,7 +51,7 @@ class AsyncClient:
     ) -> None:
         self._timeout = check_timeout(timeout)
         self._retry = RetryPolicy(max_retries, backoff)
-        self._metadata = _convert.call_metadata(api_key, application)
+        self._metadata = convert.call_metadata(api_key, application)
         options = list(channel_options)
         self._channel = (
             grpc.aio.secure_channel(target, credentials, options)
@@ -56,7 +59,9 @@ class AsyncClient:
             else grpc.aio.insecure_channel(target, options)
         )
         self._stub = logitpool_pb2_grpc.LogitPoolStub(self._channel)
-        self._health = self._channel.unary_unary(_convert.HEALTH_CHECK_METHOD)  # bytes in, bytes out
+        self._health: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
+            convert.HEALTH_CHECK_METHOD
+        )  # bytes in, bytes out
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -70,9 +75,9 @@ class AsyncClient:
         **sampling: Any,
     ) -> Completion:
         """Generate all completions of one request. ``sampling``: SamplingParams' field names."""
-        request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
         response = await self._unary(self._stub.Generate, request, timeout)
-        return _convert.completion_from_pb(response)
+        return convert.completion_from_pb(response)
 
     def stream(
         self,
@@ -85,30 +90,30 @@ class AsyncClient:
     ) -> AsyncStream:
         """Stream chunks as tokens are sampled. The call starts on first iteration; ``aclose()``,
         leaving an ``async with`` block or dropping the stream cancels it on the server."""
-        request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
 
-        def start(remaining: float) -> Any:
+        def start(remaining: float) -> _StreamCall:
             return self._stub.GenerateStream(request, timeout=remaining, metadata=self._metadata)
 
         return AsyncStream(start, self._seconds(timeout), self._retry)
 
     async def processors(self, *, timeout: float | None = None) -> list[ProcessorInfo]:
         """The logits processors the workers loaded, and the extra_args each reads."""
-        response = await self._unary(self._stub.ListProcessors, _convert.list_processors_request(), timeout)
-        return _convert.processors_from_pb(response)
+        response = await self._unary(self._stub.ListProcessors, convert.list_processors_request(), timeout)
+        return convert.processors_from_pb(response)
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> bool:
         """grpc.health.v1 Check: True when SERVING; False when not serving or not reachable."""
         try:
             raw = await self._health(
-                _convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata
+                convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata
             )
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
             if isinstance(err, (Unavailable, DeadlineExceeded)) or err.code == grpc.StatusCode.NOT_FOUND:
                 return False
             raise err from exc
-        return _convert.health_is_serving(raw)
+        return convert.health_is_serving(raw)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -126,7 +131,7 @@ class AsyncClient:
     def _seconds(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else check_timeout(timeout)
 
-    async def _unary(self, rpc: Callable[..., Awaitable[T]], request: Any, timeout: float | None) -> T:
+    async def _unary(self, rpc: Callable[..., Awaitable[T]], request: Message, timeout: float | None) -> T:
         deadline = Deadline.after(self._seconds(timeout))
         retries = 0
         while True:
@@ -146,12 +151,12 @@ class AsyncStream(AsyncIterator[Chunk]):
     message. ``aclose()``/``cancel()`` cancel the call; so does leaving ``async with`` or
     dropping the stream."""
 
-    def __init__(self, start: Callable[[float], Any], timeout: float, retry: RetryPolicy) -> None:
+    def __init__(self, start: Callable[[float], _StreamCall], timeout: float, retry: RetryPolicy) -> None:
         self._start = start
         self._timeout = timeout
         self._retry = retry
         self._deadline: Deadline | None = None
-        self._call: Any = None
+        self._call: _StreamCall | None = None
         self._pending: deque[Chunk] = deque()
         self._received = False
         self._retries = 0
@@ -200,7 +205,7 @@ class AsyncStream(AsyncIterator[Chunk]):
                     self._done, self._call = True, None
                     return []
                 self._received = True
-                return _convert.chunks_from_pb(message)
+                return convert.chunks_from_pb(cast(pb.GenerateStreamResponse, message))  # not EOF: a message
             await asyncio.sleep(wait)
             self._retries += 1
         return []

@@ -1,5 +1,7 @@
 """Client: the blocking gRPC client of a logitpool deployment.
 
+Usage:
+
     with Client("localhost:9000", api_key="...") as c:
         print(c.generate("Hello", max_tokens=8, extra_args={"target_token": 67}).text)
         with c.stream("Hello", max_tokens=8) as s:
@@ -13,17 +15,27 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
-from client import _convert
+from client import convert
 from client._retry import Deadline, RetryPolicy, check_timeout
 from client.errors import DeadlineExceeded, LogitpoolError, Unavailable, from_rpc_error
+from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from client.pb.logitpool.v1 import logitpool_pb2_grpc
 from client.types import Chunk, Completion, ProcessorInfo
 
 T = TypeVar("T")
+
+
+class _StreamCall(Protocol):
+    """A running GenerateStream call, as grpc returns it: its messages, and cancel()."""
+
+    def __next__(self) -> pb.GenerateStreamResponse: ...
+
+    def cancel(self) -> bool: ...
 
 
 class Client:
@@ -44,7 +56,7 @@ class Client:
     ) -> None:
         self._timeout = check_timeout(timeout)
         self._retry = RetryPolicy(max_retries, backoff)
-        self._metadata = _convert.call_metadata(api_key, application)
+        self._metadata = convert.call_metadata(api_key, application)
         options = list(channel_options)
         self._channel = (
             grpc.secure_channel(target, credentials, options)
@@ -52,7 +64,9 @@ class Client:
             else grpc.insecure_channel(target, options)
         )
         self._stub = logitpool_pb2_grpc.LogitPoolStub(self._channel)
-        self._health = self._channel.unary_unary(_convert.HEALTH_CHECK_METHOD)  # bytes in, bytes out
+        self._health: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
+            convert.HEALTH_CHECK_METHOD
+        )  # bytes in, bytes out
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -66,9 +80,9 @@ class Client:
         **sampling: Any,
     ) -> Completion:
         """Generate all completions of one request. ``sampling``: SamplingParams' field names."""
-        request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
         response = self._unary(self._stub.Generate, request, timeout)
-        return _convert.completion_from_pb(response)
+        return convert.completion_from_pb(response)
 
     def stream(
         self,
@@ -81,28 +95,30 @@ class Client:
     ) -> Stream:
         """Stream chunks as tokens are sampled. The call starts on first iteration;
         ``close()`` (or leaving a ``with`` block) cancels it on the server."""
-        request = _convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
 
-        def start(remaining: float) -> Any:
+        def start(remaining: float) -> _StreamCall:
             return self._stub.GenerateStream(request, timeout=remaining, metadata=self._metadata)
 
         return Stream(start, self._seconds(timeout), self._retry)
 
     def processors(self, *, timeout: float | None = None) -> list[ProcessorInfo]:
         """The logits processors the workers loaded, and the extra_args each reads."""
-        response = self._unary(self._stub.ListProcessors, _convert.list_processors_request(), timeout)
-        return _convert.processors_from_pb(response)
+        response = self._unary(self._stub.ListProcessors, convert.list_processors_request(), timeout)
+        return convert.processors_from_pb(response)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> bool:
         """grpc.health.v1 Check: True when SERVING; False when not serving or not reachable."""
         try:
-            raw = self._health(_convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata)
+            raw = self._health(
+                convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
             if isinstance(err, (Unavailable, DeadlineExceeded)) or err.code == grpc.StatusCode.NOT_FOUND:
                 return False
             raise err from exc
-        return _convert.health_is_serving(raw)
+        return convert.health_is_serving(raw)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -120,7 +136,7 @@ class Client:
     def _seconds(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else check_timeout(timeout)
 
-    def _unary(self, rpc: Callable[..., T], request: Any, timeout: float | None) -> T:
+    def _unary(self, rpc: Callable[..., T], request: Message, timeout: float | None) -> T:
         deadline = Deadline.after(self._seconds(timeout))
         retries = 0
         while True:
@@ -141,12 +157,12 @@ class Stream(Iterator[Chunk]):
     ``close()`` cancels the call; so does leaving a ``with`` block or dropping the stream.
     """
 
-    def __init__(self, start: Callable[[float], Any], timeout: float, retry: RetryPolicy) -> None:
+    def __init__(self, start: Callable[[float], _StreamCall], timeout: float, retry: RetryPolicy) -> None:
         self._start = start
         self._timeout = timeout
         self._retry = retry
         self._deadline: Deadline | None = None
-        self._call: Any = None
+        self._call: _StreamCall | None = None
         self._pending: deque[Chunk] = deque()
         self._received = False
         self._retries = 0
@@ -190,7 +206,7 @@ class Stream(Iterator[Chunk]):
                 raise
             else:
                 self._received = True
-                return _convert.chunks_from_pb(message)
+                return convert.chunks_from_pb(message)
             time.sleep(wait)
             self._retries += 1
         return []

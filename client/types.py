@@ -1,4 +1,4 @@
-"""What a caller holds: immutable results, free of protobuf (conversion lives in _convert.py)."""
+"""What a caller holds: immutable results, free of protobuf (conversion lives in convert.py)."""
 
 from __future__ import annotations
 

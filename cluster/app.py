@@ -9,8 +9,8 @@ from ray import serve
 
 from cluster.config import LogitpoolConfig
 from cluster.ingress import IngressDeployment
-from cluster.serve_config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, deployment_options
-from cluster.worker import EngineFactory, WorkerDeployment
+from cluster.deploy.serve_config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, deployment_options
+from cluster.worker_deployment import EngineFactory, WorkerDeployment
 from worker.async_engine import AsyncEngine
 from worker.logits_processor.registry import fqcn_of, resolve_processor_class
 
@@ -36,7 +36,7 @@ def resolve_model(cfg: LogitpoolConfig) -> LogitpoolConfig:
     """The embedded default: build the tiny model on first use and point the config at it."""
     if cfg.engine.model is not None:
         return cfg
-    from worker.models import build_tiny_model, default_model_path
+    from worker.model.loader import build_tiny_model, default_model_path
 
     path = build_tiny_model(default_model_path())
     return cfg.with_overrides(**{"engine.model": str(path)})

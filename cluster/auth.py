@@ -19,15 +19,17 @@ class ApiKeys:
         return bool(self._keys)
 
     def check(self, authorization: str | None) -> None:
-        """Raise Unauthenticated unless ``authorization`` is `Bearer <a configured key>`."""
+        """Raise Unauthenticated unless ``authorization`` is `Bearer <a configured key>`; the
+        scheme in any case, spaces around it or the key ignored (RFC 9110 section 11.1)."""
         if not self._keys:
             return
-        if not authorization or not authorization.startswith("Bearer "):
+        scheme, _, credentials = (authorization or "").strip().partition(" ")
+        given = credentials.strip()
+        if scheme.lower() != "bearer" or not given:
             raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
-        given = authorization[len("Bearer "):].strip().encode()
         # Compare against every key in constant time; never short-circuit on a match.
         ok = False
         for key in self._keys:
-            ok |= hmac.compare_digest(given, key)
+            ok |= hmac.compare_digest(given.encode(), key)
         if not ok:
             raise Unauthenticated("invalid API key")

@@ -2,7 +2,7 @@
 
 Every way of running logitpool reads these models: the CLI, the Serve application builder
 (`cluster.app:app_builder` validates its `args` with `LogitpoolConfig.model_validate`), the
-generated `serve deploy` file (`cluster.serve_config`) and, mirrored in templates, the Helm
+generated `serve deploy` file (`cluster.deploy.serve_config`) and, mirrored in templates, the Helm
 chart. Validation happens here, where a config is built: a bad value raises `ValueError`
 (pydantic's `ValidationError` is one) naming the field. Unknown keys are rejected, so a typo
 fails instead of being ignored.
@@ -64,7 +64,7 @@ class _Frozen(BaseModel):
 
 # The worker's own engine config (a frozen dataclass, defaults stated there), embedded as-is; a
 # config file sees its fields under `engine:`. These are the config file's extra rules on top of
-# the dataclass's own checks, also published in the Helm values schema (cluster.helm_schema).
+# the dataclass's own checks, also published in the Helm values schema (cluster.deploy.helm_schema).
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerEngineConfig))
 ENGINE_JSON_SCHEMA: dict[str, dict[str, Any]] = {
@@ -115,7 +115,7 @@ def _engine_rules(engine: WorkerEngineConfig) -> WorkerEngineConfig:
 
 EngineConfig = Annotated[WorkerEngineConfig, WrapValidator(_engine_keys), AfterValidator(_engine_rules)]
 """`worker.config.EngineConfig` with the config file's rules; `device: auto` = the engine's own
-choice (cuda if available, else cpu) with the CPU explicitly allowed (cluster.worker)."""
+choice (cuda if available, else cpu) with the CPU explicitly allowed (cluster.worker_deployment)."""
 
 
 class AutoscalingConfig(_Frozen):
@@ -243,7 +243,7 @@ class LogitpoolConfig(_Frozen):
             return self.served_model_name
         model = self.engine.model
         if model is None:
-            return "tiny-llama"  # the embedded model's directory (worker.models.default_model_path)
+            return "tiny-llama"  # the embedded model's directory (worker.model.loader.default_model_path)
         if model.startswith(("/", ".", "~")) or Path(model).expanduser().exists():
             return Path(model).expanduser().resolve().name or model
         return model

@@ -25,6 +25,10 @@ class ModelNotFound(Exception):
         super().__init__(f"model: the model `{model[:200]}` does not exist")
 
 
+class ResponseTooLarge(Exception):
+    """A response message larger than Serve's gRPC proxy sends (limits.max_grpc_message_bytes)."""
+
+
 class RequestFailed(Exception):
     """The engine ended a request with finish_reason `error` (e.g. a processor raised)."""
 
@@ -65,6 +69,8 @@ def classify(exc: BaseException) -> Status:
         return Status(401, grpc.StatusCode.UNAUTHENTICATED, str(exc), "authentication_error")
     if isinstance(exc, ModelNotFound):
         return Status(404, grpc.StatusCode.NOT_FOUND, str(exc), "NotFoundError")
+    if isinstance(exc, ResponseTooLarge):
+        return Status(413, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "invalid_request_error")
     if isinstance(exc, ValidationError):
         return Status(400, grpc.StatusCode.INVALID_ARGUMENT, _validation_message(exc), "invalid_request_error")
     if isinstance(exc, ValueError):  # 400 unless it says otherwise (cluster.limits.RequestRejected)

@@ -1,10 +1,10 @@
 """The transport-free front end: validation, tokenization, dispatch, streaming and readiness.
 
-HTTP (cluster.http_adapter) and gRPC (cluster.grpc_service) are thin adapters that each hold
+HTTP (cluster.openai.adapter) and gRPC (cluster.rpc.service) are thin adapters that each hold
 one `Frontend`: they turn their wire format into `SamplingParams` + prompts and back, and
 everything in between happens here, once, for both. Every request is validated (limits, the
 standard rules and every loaded processor's ``validate_params``) and tokenized here; a bad
-request never reaches a worker, and the worker receives token ids (see cluster.worker).
+request never reaches a worker, and the worker receives token ids (see cluster.worker_deployment).
 """
 
 from __future__ import annotations
@@ -15,20 +15,22 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoTokenizer
 
 from cluster import limits as request_limits
-from cluster import pool_stats
+from cluster import pool_stats, prompt_bound
 from cluster.auth import ApiKeys
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
+from cluster.limits import ONCE, ResponseShape
 from cluster.metrics import Metrics
-from cluster.openai_protocol import ChatMessage, fit_to_context, render_chat
+from cluster.openai.protocol import ChatMessage, fit_to_context, render_chat
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
-from worker.models import model_limits
+from worker.model.loader import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
@@ -44,7 +46,21 @@ REPLICA_RETRIES = 5
 REPLICA_RETRY_BACKOFF_S = 0.2
 
 # Every worker replica's engine stats (cluster.pool_stats snapshots); [] when none is known.
-PoolReader = Callable[[], Awaitable[list[dict[str, Any]]]]
+PoolReader = Callable[[], Awaitable[list[pool_stats.PoolSnapshot]]]
+
+
+def check_prompts(prompts: list[str | list[int]]) -> None:
+    """At least one prompt, none empty (text or token ids), before anything is tokenized: a
+    tokenizer that adds a BOS token would otherwise make an empty prompt valid on one path."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompt: must not be empty")
+
+# Prompts up to this many characters (or token ids) in all are checked on the event loop: less
+# work than a hop to a thread. Longer ones are tokenized (and chat templates rendered) on one of
+# TOKENIZE_THREADS threads, so /health and other requests never wait behind them.
+INLINE_PROMPT_CHARS = 4096
+TOKENIZE_THREADS = 2
+T = TypeVar("T")
 
 
 class Frontend:
@@ -71,6 +87,9 @@ class Frontend:
         self._worker = worker
         self._pool = pool
         self._backend = self.tokenizer.backend_tokenizer
+        self.max_prompt_chars = prompt_bound.max_prompt_chars(
+            prompt_bound.max_chars_per_token(self._backend), self.max_model_len)
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="logitpool-tokenize")
 
     # -- requests in -----------------------------------------------------------------------
 
@@ -91,22 +110,52 @@ class Frontend:
         if isinstance(model, str) and model != self.model_name:
             raise ModelNotFound(model)
 
-    def check_request(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Limits, then validate and tokenize; raises ValueError naming the field (both protocols)."""
-        request_limits.check_request(self.limits, params, len(prompts))
-        self.validator.validate(params)
-        return [self.validator.tokenize(p) for p in prompts]
+    def check_prompt_chars(self, prompt: str | list[int], field: str = "prompt") -> None:
+        """A text prompt that cannot fit the context, refused from its length (cluster.prompt_bound)."""
+        bound = self.max_prompt_chars
+        if isinstance(prompt, str) and bound is not None and len(prompt) > bound:
+            raise ValueError(f"{field}: {len(prompt)} characters cannot fit in max_model_len ({self.max_model_len}) "
+                             f"tokens: at most {bound} can, for this tokenizer")
 
-    async def prepare(self, params: SamplingParams, prompts: list[str | list[int]]) -> list[list[int]]:
-        """check_request, in a thread when a grammar may need compiling (time-bounded, not instant)."""
-        if params.structured_outputs is None:
-            return self.check_request(params, prompts)
-        return await asyncio.to_thread(self.check_request, params, prompts)
+    def check_request(self, params: SamplingParams, prompts: list[str | list[int]],
+                      shape: ResponseShape = ONCE) -> list[list[int]]:
+        """Limits, then validate and tokenize, then max_tokens against the context, then the
+        response's size; raises ValueError naming the field (both protocols). ``shape``: how the
+        protocol's response lays out logprobs."""
+        check_prompts(prompts)
+        request_limits.check_request(self.limits, params, len(prompts))
+        for p in prompts:
+            self.check_prompt_chars(p)
+        self.validator.validate(params)
+        ids = [self.validator.tokenize(p) for p in prompts]
+        fit_to_context(params, max(map(len, ids)), self.max_model_len)
+        request_limits.check_response(self.limits, params, [len(i) for i in ids], self.max_model_len, shape)
+        return ids
+
+    async def _off_loop(self, params: SamplingParams, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (a request's checks and tokenizing) off the event loop unless ``size`` is
+        small; one that may wait for a grammar compile (bounded) waits in the default executor,
+        not on the tokenizing threads."""
+        if params.structured_outputs is not None:
+            return await asyncio.to_thread(fn, *args)
+        if size <= INLINE_PROMPT_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def prepare(self, params: SamplingParams, prompts: list[str | list[int]],
+                      shape: ResponseShape = ONCE) -> list[list[int]]:
+        """check_request, off the event loop when there is much to tokenize or a grammar to compile."""
+        return await self._off_loop(params, sum(map(len, prompts)), self.check_request, params, prompts, shape)
 
     async def prepare_chat(self, params: SamplingParams, messages: list[ChatMessage]) -> list[int]:
-        """The chat template rendered and checked like a prompt; max_tokens fitted to the context."""
-        (ids,) = await self.prepare(params, [render_chat(self.tokenizer, messages)])
-        fit_to_context(params, len(ids), self.max_model_len)
+        """The chat template rendered and checked like a prompt."""
+        size = sum(len(m.text()) for m in messages)
+        return await self._off_loop(params, size, self._chat_ids, params, messages)
+
+    def _chat_ids(self, params: SamplingParams, messages: list[ChatMessage]) -> list[int]:
+        text = render_chat(self.tokenizer, messages)
+        self.check_prompt_chars(text, "messages")
+        (ids,) = self.check_request(params, [text])
         return ids
 
     # -- dispatch and streaming ------------------------------------------------------------
@@ -177,7 +226,7 @@ class Frontend:
         if 400 <= status.http < 500:
             self.metrics.reject(protocol, status.http)
 
-    async def pool(self) -> list[dict[str, Any]]:
+    async def pool(self) -> list[pool_stats.PoolSnapshot]:
         """Fresh engine stats of every worker replica."""
         return await self._pool()
 

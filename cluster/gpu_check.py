@@ -8,17 +8,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def gpu_problem(gpu_ids: Sequence[object], device: str | None, cuda_available: bool, allow_cpu: bool,
-                visible: str | None) -> str | None:
+def gpu_problem(
+    gpu_ids: Sequence[object], device: str | None, cuda_available: bool, allow_cpu: bool, visible: str | None
+) -> str | None:
     """Why this replica must not start, or None. `visible` is its CUDA_VISIBLE_DEVICES."""
     if cuda_available:
         return None
     wants_cuda = device is not None and device.startswith("cuda")
     if not wants_cuda and (not gpu_ids or allow_cpu or device in ("cpu", "mps")):
         return None
-    given = f"Ray assigned GPU(s) {list(gpu_ids)} (CUDA_VISIBLE_DEVICES={visible!r})" if gpu_ids else f"device {device!r}"
-    return (f"worker replica: {given} but torch finds no CUDA device (a CPU-only torch build, or no driver); "
-            "fix the node, or set engine.device: auto to allow the CPU")
+    given = (
+        f"Ray assigned GPU(s) {list(gpu_ids)} (CUDA_VISIBLE_DEVICES={visible!r})" if gpu_ids else f"device {device!r}"
+    )
+    return (
+        f"worker replica: {given} but torch finds no CUDA device (a CPU-only torch build, or no driver); "
+        "fix the node, or set engine.device: auto to allow the CPU"
+    )
 
 
 def check_gpu(allow_cpu: bool, device: str | None) -> None:
@@ -30,7 +35,6 @@ def check_gpu(allow_cpu: bool, device: str | None) -> None:
 
     # Outside a Ray worker (Serve's local testing mode) nothing assigned GPUs; asking would start Ray.
     gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
-    problem = gpu_problem(gpu_ids, device, torch.cuda.is_available(), allow_cpu,
-                          os.environ.get("CUDA_VISIBLE_DEVICES"))
+    problem = gpu_problem(gpu_ids, device, torch.cuda.is_available(), allow_cpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if problem is not None:
         raise RuntimeError(problem)

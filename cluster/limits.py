@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
+
+from worker.structured_outputs import MAX_CONSTRAINT_BYTES
 
 if TYPE_CHECKING:
     from worker.sampling_params import SamplingParams
@@ -64,9 +68,30 @@ class Limits(BaseModel):
     """Characters in one stop string or bad word."""
     max_logit_bias: PositiveInt = 1024
     max_allowed_token_ids: PositiveInt = 1 << 17
+    max_constraint_bytes: PositiveInt = MAX_CONSTRAINT_BYTES
+    """A structured-output constraint (schema, regex, grammar or choices) in UTF-8 bytes, checked
+    before it is compiled. The engine enforces its own bound (the default) as well: raising this
+    past it lets nothing larger through."""
     read_timeout_s: PositiveFloat = 10.0
     """HTTP: the whole request (headers and body) must arrive within this many seconds of the
     connection, or of the first byte of a later request on it (see cluster.slow_clients)."""
+    max_header_bytes: PositiveInt = 64 << 10
+    """HTTP: a request's head (request line and headers); past it Serve's proxy answers 431 and
+    closes the connection (see cluster.slow_clients)."""
+    max_response_logprobs: PositiveInt = 1 << 20
+    """Logprob entries one response may carry (`response_logprobs`), estimated before admission:
+    prompt logprobs, once per choice where the protocol copies them, echoed and generated ones."""
+    max_grpc_message_bytes: PositiveInt = 4 << 20
+    """gRPC: the largest message Serve's proxy receives or sends, raised to max_body_bytes if
+    below it (`grpc_message_bytes`). Serve has one setting for both, process-wide:
+    RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, set from this by `logitpool serve` and the chart. A larger
+    request is RESOURCE_EXHAUSTED before anything reads it; a unary response larger than this is
+    RESOURCE_EXHAUSTED naming it (GenerateStream sends one message per delta)."""
+
+    @property
+    def grpc_message_bytes(self) -> int:
+        """The gRPC message bound in effect: a request within max_body_bytes always fits."""
+        return max(self.max_grpc_message_bytes, self.max_body_bytes)
 
     @model_validator(mode="after")
     def _sequences_cover_n_and_prompts(self) -> Limits:
@@ -114,15 +139,31 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def utf8_text(body: bytes) -> str:
+    """The body as UTF-8 text, the only encoding of JSON on the wire (RFC 8259 §8.1).
+
+    ``json.loads(bytes)`` would also take UTF-16 and UTF-32 (detected from NUL bytes, RFC 4627
+    §3), which the byte-level checks here (the surrogate scan, the depth scan) cannot see into:
+    those are 415. A UTF-8 byte order mark is skipped, as RFC 8259 allows; bytes that are not
+    UTF-8 are 400.
+    """
+    encoding = json.detect_encoding(body)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise UnsupportedMediaType(f"body: JSON must be UTF-8 (RFC 8259), this body looks like {encoding}")
+    try:
+        return body.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"body: not valid UTF-8 (at byte {exc.start})") from exc
+
+
 def parse_json(limits: Limits, body: bytes) -> Any:
-    """Size and depth first, then strict JSON (no NaN/Infinity, no lone surrogates)."""
+    """Size and depth first, then strict UTF-8 JSON (no NaN/Infinity, no lone surrogates)."""
     check_body(limits, body)
     if json_depth_exceeds(body, limits.max_json_depth):
         raise ValueError(f"body: JSON nests deeper than limits.max_json_depth ({limits.max_json_depth})")
+    text = utf8_text(body)
     try:
-        value = json.loads(body, parse_constant=_bad_constant, parse_float=_finite_float)
-    except UnicodeDecodeError as exc:
-        raise ValueError("body: not valid UTF-8") from exc
+        value = json.loads(text, parse_constant=_bad_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise ValueError(f"body: invalid JSON ({exc.msg})") from exc
     if _SURROGATE_ESCAPE.search(body):
@@ -213,3 +254,55 @@ def check_request(limits: Limits, params: SamplingParams, num_prompts: int) -> N
                     limits.max_allowed_token_ids)
     if params.extra_args:
         _check_extra_args(limits, params.extra_args)
+    so = params.structured_outputs
+    if so is not None:
+        size = len(so.spec.encode("utf-8", "surrogatepass"))
+        if size > limits.max_constraint_bytes:
+            raise _over(so.field_name, "bytes", size, "max_constraint_bytes", limits.max_constraint_bytes)
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """Where a protocol's response puts logprobs, for `response_logprobs`.
+
+    ``prompt_logprobs_per_choice``: OpenAI completions (not streamed) copy a prompt's logprobs
+    into each of its ``n`` choices; chat and gRPC send them once. ``echo``: each choice's
+    logprobs also start with the prompt's (when logprobs are asked for).
+    """
+
+    prompt_logprobs_per_choice: bool = False
+    echo: bool = False
+
+
+ONCE = ResponseShape()
+"""Chat's and gRPC's shape: prompt logprobs once per response, no echo."""
+
+
+def response_logprobs(params: SamplingParams, prompt_lens: Sequence[int], max_model_len: int,
+                      shape: ResponseShape = ONCE) -> int:
+    """Upper bound on the logprob entries (a token and each of its top-k, one entry each) in a
+    response: per prompt of L tokens, with k = logprobs, kp = prompt_logprobs and at most M
+    generated tokens, ``n × M × (k + 1)`` plus ``copies × L × (kp + 1)``, where copies is 1, or
+    n when each choice repeats the prompt's, plus n more when each choice echoes them."""
+    n, k, kp = params.n, params.logprobs, params.prompt_logprobs
+    total = 0
+    for length in prompt_lens:
+        if k is not None:
+            total += n * max(1, min(params.max_tokens, max_model_len - length)) * (k + 1)
+        if kp is not None:
+            copies = (n if shape.prompt_logprobs_per_choice else 1) + (n if shape.echo and k is not None else 0)
+            total += copies * length * (kp + 1)
+    return total
+
+
+def check_response(limits: Limits, params: SamplingParams, prompt_lens: Sequence[int], max_model_len: int,
+                   shape: ResponseShape = ONCE) -> None:
+    """The response a request asks for, bounded before admission (`limits.max_response_logprobs`)."""
+    entries = response_logprobs(params, prompt_lens, max_model_len, shape)
+    if entries > limits.max_response_logprobs:
+        field = "prompt_logprobs" if params.prompt_logprobs is not None else "logprobs"
+        raise ValueError(
+            f"{field}: the response would carry up to {entries} logprob entries (prompts x n x tokens x "
+            f"(logprobs + 1)), which exceeds limits.max_response_logprobs ({limits.max_response_logprobs}); "
+            "ask for fewer prompts, choices, tokens or logprobs"
+        )

@@ -4,12 +4,13 @@ engine stats of every worker replica of the application (see cluster.pool_stats)
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cluster import pool_stats
+from cluster.pool_stats import PoolSnapshot
 from worker.outputs import RequestOutput
 
 
@@ -17,12 +18,16 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "logitpool_requests", "Requests answered, by protocol and status code",
-            ["protocol", "status"], registry=self.registry,
+            "logitpool_requests",
+            "Requests answered, by protocol and status code",
+            ["protocol", "status"],
+            registry=self.registry,
         )
         self.rejected = Counter(
-            "logitpool_requests_rejected", "Requests rejected at the ingress (4xx), by protocol and status",
-            ["protocol", "status"], registry=self.registry,
+            "logitpool_requests_rejected",
+            "Requests rejected at the ingress (4xx), by protocol and status",
+            ["protocol", "status"],
+            registry=self.registry,
         )
         self.tokens = Counter(
             "logitpool_generated_tokens", "Output tokens generated", ["protocol"], registry=self.registry
@@ -37,7 +42,7 @@ class Metrics:
     def reject(self, protocol: str, status: int | str) -> None:
         self.rejected.labels(protocol, str(status)).inc()
 
-    def render(self, pool: Sequence[dict[str, Any]] = ()) -> tuple[bytes, str]:
+    def render(self, pool: Sequence[PoolSnapshot] = ()) -> tuple[bytes, str]:
         """This replica's counters and, from `pool` (pool_stats.collect), the workers' stats."""
         registry = CollectorRegistry()
         registry.register(_PoolCollector(pool))
@@ -48,40 +53,48 @@ class _PoolCollector:
     """Gauges and counters over the worker replicas' snapshots (sums; per replica where a sum
     would mean nothing, like a hit rate)."""
 
-    def __init__(self, pool: Sequence[dict[str, Any]]) -> None:
+    def __init__(self, pool: Sequence[PoolSnapshot]) -> None:
         self.pool = pool
 
     def collect(self) -> Iterator[Metric]:
         pool = self.pool
-        replicas = GaugeMetricFamily("logitpool_worker_replicas", "Worker replicas reporting, by engine state",
-                                     labels=["state"])
-        alive = sum(1 for s in pool if s.get("alive"))
+        replicas = GaugeMetricFamily(
+            "logitpool_worker_replicas", "Worker replicas reporting, by engine state", labels=["state"]
+        )
+        alive = pool_stats.num_alive(pool)
         replicas.add_metric(["alive"], alive)
         replicas.add_metric(["dead"], len(pool) - alive)
         yield replicas
-        for key, name, doc in (("num_running", "logitpool_running_sequences", "Sequences in the running batches"),
-                               ("num_waiting", "logitpool_waiting_sequences", "Sequences waiting for admission")):
-            yield GaugeMetricFamily(name, doc, value=sum(s.get(key, 0) for s in pool))
-        finished = CounterMetricFamily("logitpool_sequences_finished",
-                                       "Sequences ended in the engines, by terminal outcome", labels=["reason"])
-        reasons: dict[str, float] = {}
+        for key, name, doc in (
+            ("num_running", "logitpool_running_sequences", "Sequences in the running batches"),
+            ("num_waiting", "logitpool_waiting_sequences", "Sequences waiting for admission"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=sum(getattr(s, key) for s in pool))
+        finished = CounterMetricFamily(
+            "logitpool_sequences_finished", "Sequences ended in the engines, by terminal outcome", labels=["reason"]
+        )
+        reasons: dict[str, int] = {}
         for s in pool:
-            for reason, count in (s.get("finished") or {}).items():
+            for reason, count in s.finished.items():
                 reasons[reason] = reasons.get(reason, 0) + count
         for reason, count in sorted(reasons.items()):
             finished.add_metric([reason], count)
         yield finished
-        yield CounterMetricFamily("logitpool_engine_restarts", "Times an engine rebuilt its batch after a failure",
-                                  value=sum(s.get("restarts", 0) for s in pool))
+        yield CounterMetricFamily(
+            "logitpool_engine_restarts",
+            "Times an engine rebuilt its batch after a failure",
+            value=sum(s.restarts for s in pool),
+        )
         kv = GaugeMetricFamily("logitpool_kv_cache", "KV cache state per worker replica", labels=["replica", "stat"])
         for s in pool:
-            stats = {**(s.get("kv") or {}), "bytes": s.get("kv_cache_bytes", 0)}
-            for stat, value in sorted(stats.items()):
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    kv.add_metric([s.get("replica_id", ""), stat], value)
+            for stat, value in sorted({**s.kv, "bytes": float(s.kv_cache_bytes)}.items()):
+                kv.add_metric([s.replica_id, stat], value)
         yield kv
-        age = GaugeMetricFamily("logitpool_engine_heartbeat_age_seconds",
-                                "Seconds since each replica's engine loop last came round", labels=["replica"])
+        age = GaugeMetricFamily(
+            "logitpool_engine_heartbeat_age_seconds",
+            "Seconds since each replica's engine loop last came round",
+            labels=["replica"],
+        )
         for s in pool:
-            age.add_metric([s.get("replica_id", "")], s.get("heartbeat_age_s", 0.0))
+            age.add_metric([s.replica_id], s.heartbeat_age_s)
         yield age

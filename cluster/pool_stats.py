@@ -13,9 +13,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
+
+if TYPE_CHECKING:
+    from worker.async_engine import EngineStats
+
+logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 1.0
 STALE_AFTER_S = 5.0
@@ -28,7 +36,7 @@ def _prefix(app: str) -> str:
     return f"pool/{app}/"
 
 
-def _number(value: Any) -> float | None:
+def _number(value: float) -> float | None:
     try:
         x = float(value)
     except (TypeError, ValueError):
@@ -36,52 +44,108 @@ def _number(value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def snapshot(stats: Any, **extra: Any) -> dict[str, Any]:
-    """A JSON-able snapshot of an EngineStats, stamped with wall-clock time. Only finite numbers
-    of `kv` are kept: whatever an engine puts there, publishing (hence health) cannot fail on it."""
-    snap = {**dataclasses.asdict(stats), **extra, "time": time.time()}
-    kv = {str(k): _number(v) for k, v in (snap.get("kv") or {}).items()}
-    snap["kv"] = {k: v for k, v in kv.items() if v is not None}
-    snap["finished"] = {str(k): int(v) for k, v in (snap.get("finished") or {}).items()}
-    return snap
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """One worker replica's engine, as published to the KV store and read by health, metrics and
+    `logitpool status`. JSON on the wire (``to_json`` / ``from_json``); a typed value everywhere else."""
+
+    alive: bool
+    heartbeat_age_s: float
+    num_running: int
+    num_waiting: int
+    finished: dict[str, int] = field(default_factory=dict)  # terminal outcomes by finish reason
+    restarts: int = 0
+    kv: dict[str, float] = field(default_factory=dict)  # finite KV / prefix-cache counters only
+    kv_cache_bytes: int = 0
+    time: float = 0.0  # wall clock when published
+    replica_id: str = ""  # set by the reader from the KV key
+
+    @classmethod
+    def of(cls, stats: EngineStats, *, kv_cache_bytes: int = 0) -> PoolSnapshot:
+        """From an engine's stats, stamped now. Only finite numbers of ``kv`` are kept: whatever an
+        engine puts there, publishing (hence health) cannot fail on it."""
+        kv = {str(k): _number(v) for k, v in stats.kv.items()}
+        return cls(
+            alive=bool(stats.alive),
+            heartbeat_age_s=float(stats.heartbeat_age_s),
+            num_running=int(stats.num_running),
+            num_waiting=int(stats.num_waiting),
+            finished={str(k): int(v) for k, v in stats.finished.items()},
+            restarts=int(stats.restarts),
+            kv={k: v for k, v in kv.items() if v is not None},
+            kv_cache_bytes=int(kv_cache_bytes),
+            time=time.time(),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes, replica_id: str = "") -> PoolSnapshot:
+        """ValueError (or TypeError) on anything that is not a snapshot: a bad entry is skipped."""
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("pool snapshot: not an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        snap = cls(**{k: v for k, v in data.items() if k in known})
+        return dataclasses.replace(snap, replica_id=replica_id or snap.replica_id)
 
 
-async def _kv(fn: Any, *args: Any, **kw: Any) -> Any:
+def snapshot(stats: EngineStats, *, kv_cache_bytes: int = 0) -> PoolSnapshot:
+    return PoolSnapshot.of(stats, kv_cache_bytes=kv_cache_bytes)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+async def _kv(fn: Callable[_P, _R], *args: _P.args, **kw: _P.kwargs) -> _R:
     return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kw), KV_TIMEOUT_S)
 
 
-async def publish(app: str, replica_id: str, snap: dict[str, Any]) -> None:
+async def publish(app: str, replica_id: str, snap: PoolSnapshot) -> None:
     from ray.experimental.internal_kv import _internal_kv_put
 
-    await _kv(_internal_kv_put, _prefix(app) + replica_id, json.dumps(snap), namespace=_NAMESPACE)
+    await _kv(_internal_kv_put, _prefix(app) + replica_id, snap.to_json(), namespace=_NAMESPACE)
 
 
-def _read_all(app: str) -> list[dict[str, Any]]:
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list
+def _read_all(app: str) -> list[PoolSnapshot]:
+    from ray.experimental.internal_kv import (
+        _internal_kv_del,
+        _internal_kv_get,
+        _internal_kv_list,
+    )
 
     out = []
     for key in _internal_kv_list(_prefix(app), namespace=_NAMESPACE):
         raw = _internal_kv_get(key, namespace=_NAMESPACE)
         if not raw:
             continue
-        snap = json.loads(raw)
-        if time.time() - snap.get("time", 0.0) > FORGET_AFTER_S:
+        try:
+            snap = PoolSnapshot.from_json(raw, replica_id=key.decode()[len(_prefix(app)) :])
+        except (TypeError, ValueError):
+            logger.warning("ignoring a malformed pool snapshot under %r", key)
+            continue
+        if time.time() - snap.time > FORGET_AFTER_S:
             _internal_kv_del(key, namespace=_NAMESPACE)
             continue
-        snap["replica_id"] = key.decode()[len(_prefix(app)):]
         out.append(snap)
     return out
 
 
-async def collect(app: str, stale_after_s: float = STALE_AFTER_S) -> list[dict[str, Any]]:
+async def collect(app: str, stale_after_s: float = STALE_AFTER_S) -> list[PoolSnapshot]:
     """Fresh snapshots of the application's worker replicas; [] when the KV store is unreachable."""
     try:
         snaps = await _kv(_read_all, app)
     except Exception:  # noqa: BLE001 - no stats is an answer ("not healthy"), not an error
         return []
     now = time.time()
-    return [s for s in snaps if now - s.get("time", 0.0) <= stale_after_s]
+    return [s for s in snaps if now - s.time <= stale_after_s]
 
 
-def any_alive(snaps: list[dict[str, Any]]) -> bool:
-    return any(s.get("alive") for s in snaps)
+def num_alive(snaps: Sequence[PoolSnapshot]) -> int:
+    return sum(1 for s in snaps if s.alive)
+
+
+def any_alive(snaps: Sequence[PoolSnapshot]) -> bool:
+    return num_alive(snaps) > 0

@@ -11,7 +11,10 @@ which run in the replica process before the server is started.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 logger = logging.getLogger(__name__)
 
@@ -23,15 +26,14 @@ def bind_replica_grpc_to_node_ip() -> None:
     except ImportError:
         return
     original = getattr(replica, "add_port_to_grpc_server", None)
-    if original is None or getattr(original, "_logitpool", False):
+    if original is None or getattr(original, "__module__", None) == __name__:  # ours: already bound
         return
     node_ip = ray.util.get_node_ip_address()
     host = f"[{node_ip}]" if ":" in node_ip else node_ip
 
-    def add_port(server: Any, address: str) -> int:
+    def add_port(server: grpc.aio.Server, address: str) -> int:
         if address.startswith("[::]:"):
             address = f"{host}:{address[5:]}"
         return original(server, address)
 
-    add_port._logitpool = True  # type: ignore[attr-defined]
     replica.add_port_to_grpc_server = add_port

@@ -1,14 +1,24 @@
-"""A read timeout for the HTTP port, installed inside Serve's HTTP proxy.
+"""A read timeout and a header size limit for the HTTP port, installed inside Serve's HTTP proxy.
 
 Serve's HTTP proxy is uvicorn, and Ray Serve 2.60 bounds nothing about reading a request:
 `keep_alive_timeout_s` only covers idle time *between* requests and `request_timeout_s` starts
 once a request has arrived, so a client dribbling headers or a body one byte at a time
-(slowloris) holds a connection for ever. The proxy runs one hook of ours: the callback named by
+(slowloris) holds a connection for ever; and uvicorn's httptools parser (Serve's, since
+httptools is installed) takes headers of any size (a 32 MiB header was answered 200), which
+Serve then forwards to the ingress. The proxy runs one hook of ours: the callback named by
 `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` (set to `CALLBACK` by `logitpool serve` and the test
-cluster). `install` wraps uvicorn's HTTP protocols so that a request's headers *and* body must
-arrive within `limits.read_timeout_s` of the connection opening, or of the first byte of a later
-request on the same connection; otherwise the proxy answers 408 (when nothing was sent yet)
-and closes the connection. Responses, however long they stream, are not affected.
+cluster). `install` wraps uvicorn's HTTP protocols (httptools and h11 alike) so that
+
+- a request's headers *and* body must arrive within `limits.read_timeout_s` of the connection
+  opening, or of the first byte of a later request on the same connection; otherwise the proxy
+  answers 408 (when nothing was sent yet) and closes the connection. Responses, however long
+  they stream, are not affected;
+- a request's head (request line and headers, up to the blank line) may be at most
+  `limits.max_header_bytes`: the bytes are counted as they arrive, before the parser buffers
+  them, and past the limit the proxy answers 431 and closes the connection. (A pipelined
+  request whose head starts inside the same read as the previous request's end is counted from
+  the next read: at most one read, 64 KiB, more.) h11's own bound (16 KiB by default, answered
+  400) is raised to the limit so that both answer the same.
 """
 
 from __future__ import annotations
@@ -20,21 +30,35 @@ from typing import Any
 CALLBACK = "cluster.slow_clients:install"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 TIMEOUT_ENV = "LOGITPOOL_HTTP_READ_TIMEOUT_S"
+HEADER_ENV = "LOGITPOOL_HTTP_MAX_HEADER_BYTES"
 
 
-def proxy_env(read_timeout_s: float) -> dict[str, str]:
-    """Environment for the processes of a Ray cluster so its Serve HTTP proxy installs the timeout."""
-    return {CALLBACK_ENV: CALLBACK, TIMEOUT_ENV: repr(float(read_timeout_s))}
+def proxy_env(read_timeout_s: float, max_header_bytes: int | None = None) -> dict[str, str]:
+    """Environment for the processes of a Ray cluster so its Serve HTTP proxy installs the bounds
+    (the header limit's default is `Limits().max_header_bytes`)."""
+    env = {CALLBACK_ENV: CALLBACK, TIMEOUT_ENV: repr(float(read_timeout_s))}
+    if max_header_bytes is not None:
+        env[HEADER_ENV] = str(int(max_header_bytes))
+    return env
+
+
+def _error_response(status: int, reason: str, message: str) -> bytes:
+    """The proxy's own answer, in the ingress's error shape (cluster.errors.error_body)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status,
+                                 "param": None}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+    return head + body
 
 
 def _timeout_response(timeout_s: float) -> bytes:
-    body = json.dumps({"error": {
-        "message": f"request not received within limits.read_timeout_s ({timeout_s:g}s)",
-        "type": "invalid_request_error", "code": 408, "param": None,
-    }}).encode()
-    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
-    return head + body
+    return _error_response(408, "Request Timeout",
+                           f"request not received within limits.read_timeout_s ({timeout_s:g}s)")
+
+
+def _header_response(max_header_bytes: int) -> bytes:
+    return _error_response(431, "Request Header Fields Too Large",
+                           f"request headers: more than limits.max_header_bytes ({max_header_bytes}) bytes")
 
 
 def _request_read(protocol: Any) -> bool:
@@ -43,8 +67,15 @@ def _request_read(protocol: Any) -> bool:
     return cycle is not None and cycle is not getattr(protocol, "_lp_read_cycle", None) and not cycle.more_body
 
 
-def _patch(cls: Any, timeout_s: float) -> None:
-    if getattr(cls, "_lp_read_timeout", None) is not None:
+def _in_head(protocol: Any) -> bool:
+    """Whether arriving bytes belong to a request's head: no request has started on this
+    connection since the last one was read in full."""
+    cycle = protocol.cycle
+    return cycle is None or cycle is getattr(protocol, "_lp_read_cycle", None)
+
+
+def _patch(cls: Any, timeout_s: float, max_header_bytes: int) -> None:
+    if "_lp_read_timeout" in cls.__dict__:
         return
     connection_made, data_received, connection_lost = cls.connection_made, cls.data_received, cls.connection_lost
 
@@ -67,15 +98,43 @@ def _patch(cls: Any, timeout_s: float) -> None:
             timer.cancel()
         self._lp_timer = None
 
+    def refuse_head(self: Any) -> None:
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:  # not in the middle of a pipelined response
+            self.transport.write(_header_response(max_header_bytes))
+        self.transport.close()
+
+    def feed(self: Any, data: bytes) -> bool:
+        """data_received, the head cut at max_header_bytes; False once the head is refused."""
+        if _in_head(self):
+            room = max_header_bytes - self._lp_head_bytes
+            if len(data) > room:
+                if room > 0:
+                    data_received(self, data[:room])
+                if self.transport.is_closing():
+                    return False
+                if _in_head(self):
+                    refuse_head(self)
+                    return False
+                data = data[room:]
+            else:
+                self._lp_head_bytes += len(data)
+        data_received(self, data)
+        if not _in_head(self):
+            self._lp_head_bytes = 0
+        return True
+
     def patched_connection_made(self: Any, transport: Any) -> None:
         connection_made(self, transport)
         self._lp_read_cycle = None
+        self._lp_head_bytes = 0
         arm(self)
 
     def patched_data_received(self: Any, data: bytes) -> None:
         if getattr(self, "_lp_timer", None) is None:
             arm(self)  # the first byte of a later request on a kept-alive connection
-        data_received(self, data)
+        if not feed(self, data):
+            return
         if _request_read(self):
             self._lp_read_cycle = self.cycle  # read in full: the clock stops until the next request
             disarm(self)
@@ -90,6 +149,23 @@ def _patch(cls: Any, timeout_s: float) -> None:
     cls._lp_read_timeout = timeout_s
 
 
+def _widen_h11(cls: Any, max_header_bytes: int) -> None:
+    """h11 refuses a head past its own buffer bound (16 KiB by default) with a 400: make that
+    bound at least the limit, so the 431 above decides."""
+    import h11
+    from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+
+    init = cls.__init__
+
+    def patched_init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, config, *args, **kwargs)
+        own = config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        if own < max_header_bytes:
+            self.conn = h11.Connection(h11.SERVER, max_header_bytes)
+
+    cls.__init__ = patched_init
+
+
 def install() -> list[Any]:
     """The proxy callback: patch uvicorn's protocols in this (proxy) process; no middlewares."""
     from uvicorn.protocols.http import h11_impl, httptools_impl
@@ -97,6 +173,9 @@ def install() -> list[Any]:
     from cluster.limits import Limits
 
     timeout_s = float(os.environ.get(TIMEOUT_ENV) or Limits().read_timeout_s)
+    max_header_bytes = int(os.environ.get(HEADER_ENV) or Limits().max_header_bytes)
+    if "_lp_read_timeout" not in h11_impl.H11Protocol.__dict__:
+        _widen_h11(h11_impl.H11Protocol, max_header_bytes)
     for cls in (httptools_impl.HttpToolsProtocol, h11_impl.H11Protocol):
-        _patch(cls, timeout_s)
+        _patch(cls, timeout_s, max_header_bytes)
     return []

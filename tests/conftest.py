@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # The test clusters run without Ray token auth: many short-lived local clusters, loopback only
 # (`logitpool serve` turns it on; tests/cluster/test_side_doors.py checks that).
@@ -21,6 +22,11 @@ os.environ.setdefault("LOGITPOOL_DEBUG_HOOKS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Serve says replicas wait to be scheduled after 5 s, not 30 (tests/cluster/test_operator.py).
 os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", "5")
+
+# Property tests assert results, never speed: hypothesis's per-example deadline (200 ms) fails on
+# a loaded 2-core CI box, so it is off for the whole suite (benchmarks measure speed).
+settings.register_profile("logitpool", deadline=None)
+settings.load_profile("logitpool")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_SITE = REPO_ROOT / "tests" / "fixtures" / "plugin_site"
@@ -40,7 +46,7 @@ def serve_ports(ray_cluster) -> tuple[int, int]:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from cluster.serve_config import GRPC_SERVICER_FUNCTIONS
+    from cluster.deploy.serve_config import GRPC_SERVICER_FUNCTIONS
 
     http_port, grpc_port = free_port(), free_port()
     serve.start(

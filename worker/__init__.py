@@ -4,7 +4,7 @@
 processor's dependencies (``worker.logits_processor``, ``SamplingParams``) stays light.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from worker.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
@@ -31,4 +31,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'worker' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
-from worker.models import LoadedModel
+from worker.model.loader import LoadedModel
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """PersistentBatch: the rows of running requests and the BatchUpdate that says how they changed.
 
-Row layout follows SPEC §2.1 exactly (replace finished rows lowest first, append the rest,
+Row layout follows docs/sampling.md "Row layout" exactly (replace finished rows lowest first, append the rest,
 otherwise remove and condense, then optional swaps). Per-row sampling values live in CPU
 columns declared once in ``COLUMNS`` and are moved with their rows by ``_move``/``_swap``;
 ``sampling_metadata()`` turns them into the sampler's view, cached until the batch changes.
@@ -19,9 +19,10 @@ from worker.sampling_params import SamplingParams
 
 # (request id, params, prompt token ids, LIVE output token ids[, the request's own generator])
 # A request that brings its generator (a preempted seeded one resuming) keeps its random stream.
-NewRequest = tuple[str, SamplingParams, "list[int] | None", "list[int]"] | tuple[
-    str, SamplingParams, "list[int] | None", "list[int]", "torch.Generator | None"
-]
+NewRequest = (
+    tuple[str, SamplingParams, "list[int] | None", "list[int]"]
+    | tuple[str, SamplingParams, "list[int] | None", "list[int]", "torch.Generator | None"]
+)
 # Row order (request ids) after steps 1-4 -> the SWAP pairs of step 5.
 SwapPolicy = Callable[[list[str]], Sequence[tuple[int, int]]]
 
@@ -46,7 +47,7 @@ def _top_k(p: SamplingParams) -> int:
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A request's own generator. Seeds span [-2**63, 2**64) (SPEC §2.5); ``manual_seed`` takes
+    """A request's own generator. Seeds span [-2**63, 2**64) (docs/sampling.md "Validation and ranges"); ``manual_seed`` takes
     ``seed % 2**64`` (the same stream torch gives a negative seed)."""
     return torch.Generator(device=device).manual_seed(seed % 2**64)
 
@@ -88,7 +89,7 @@ class _Plan:
 
 
 def _plan(order: list[str], finished_rows: list[int], new_ids: list[str]) -> _Plan:
-    """SPEC §2.1 steps 2-4 on a plain list of ids: replace lowest first, append, or condense."""
+    """docs/sampling.md "Row layout" steps 2-4 on a plain list of ids: replace lowest first, append, or condense."""
     slots: list[str | None] = list(order)
     replaced = finished_rows[: len(new_ids)]
     added_rows = replaced + list(range(len(slots), len(slots) + len(new_ids) - len(replaced)))
@@ -176,7 +177,7 @@ class PersistentBatch:
         new: Sequence[NewRequest],
         swaps: Sequence[tuple[int, int]] | SwapPolicy = (),
     ) -> BatchUpdate | None:
-        """Apply one step's changes (SPEC §2.1 steps 1-5); None when nothing was added/removed/moved.
+        """Apply one step's changes (docs/sampling.md "Row layout" steps 1-5); None when nothing was added/removed/moved.
 
         ``swaps`` is a list of row pairs, or a callable that receives the row order after steps
         1-4 (request ids) and returns the pairs. The whole update is planned and validated
@@ -299,4 +300,3 @@ class PersistentBatch:
             logprobs_modes=tuple(r.params.logprobs_mode for r in rows),
             no_penalties=not bool(cpu["uses_penalties"].any()),
         )
-

@@ -25,7 +25,7 @@ class EngineConfig:
     device: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    # None = the model's own context length, capped at 4096 (worker.models.DEFAULT_MAX_MODEL_LEN_CAP).
+    # None = the model's own context length, capped at 4096 (worker.model.loader.DEFAULT_MAX_MODEL_LEN_CAP).
     max_model_len: int | None = None
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     # Seeds the engine's generator for unseeded requests.

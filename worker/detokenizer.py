@@ -9,15 +9,14 @@ into the start of a stop string.
 
 from __future__ import annotations
 
-from typing import Any
-
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 # Enough prompt context for a byte-level or sentencepiece decoder to space the first token.
 _PROMPT_CONTEXT_TOKENS = 8
 
 
-def rust_tokenizer(tokenizer: Any) -> Any:
+def rust_tokenizer(tokenizer: object) -> Tokenizer:
     """The `tokenizers.Tokenizer` behind a transformers fast tokenizer."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is None:
@@ -28,7 +27,7 @@ def rust_tokenizer(tokenizer: Any) -> Any:
 class IncrementalDetokenizer:
     def __init__(
         self,
-        backend: Any,
+        backend: Tokenizer,
         prompt_token_ids: list[int],
         *,
         stop: list[str] | None = None,

@@ -27,12 +27,12 @@ from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.kv.manager import KVCacheManager
-from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
+from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.reorder import tail_swaps
 from worker.request import Request, Scheduling
-from worker.runner import ModelRunner, ScheduledSeq, num_blocks_for
+from worker.model.runner import ModelRunner, ScheduledSeq, num_blocks_for
 from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
 from worker.sampling_params import SamplingParams
 from worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput

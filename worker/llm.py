@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm.auto import tqdm
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
-from worker.models import LoadedModel
+from worker.model.loader import LoadedModel
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Show a progress bar from this many prompts on (short runs stay quiet).
 _PROGRESS_MIN_PROMPTS = 16
@@ -45,7 +48,7 @@ class LLM:
         )
         self.engine = LLMEngine(config, loaded=loaded)
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(
@@ -60,9 +63,7 @@ class LLM:
         Every request is validated (standard rules and every processor's ``validate_params``)
         before any is admitted: one bad request raises ValueError and nothing runs.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -70,9 +71,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params: {len(params_list)} given for {len(prompts)} prompts"
-                )
+                raise ValueError(f"sampling_params: {len(params_list)} given for {len(prompts)} prompts")
         parents = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
@@ -93,3 +92,13 @@ class LLM:
                         results[order[delta.request_id]] = out
                         bar.update(1)
         return [r for r in results if r is not None]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or many, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and isinstance(items[0], int):  # one prompt of token ids
+        return [cast(list[int], items)]
+    return cast(list[Prompt], items)

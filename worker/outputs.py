@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
     ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -102,4 +99,3 @@ class OutputAccumulator:
         self._out.outputs = [self._by_index[i] for i in sorted(self._by_index)]
         self._out.finished = delta.finished
         return self._out
-

@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 
-def tail_swaps(
-    order: Sequence[str], remaining: Callable[[str], int], max_swaps: int = 8
-) -> list[tuple[int, int]]:
+def tail_swaps(order: Sequence[str], remaining: Callable[[str], int], max_swaps: int = 8) -> list[tuple[int, int]]:
     """Swaps (selection sort, at most ``max_swaps``) towards descending ``remaining``; stable."""
     target = sorted(order, key=lambda rid: -remaining(rid))
     cur = list(order)

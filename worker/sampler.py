@@ -1,4 +1,4 @@
-"""The batched sampler (SPEC §2.4): one token per row of ``(logits, metadata)``; the order is the contract.
+"""The batched sampler (docs/sampling.md "The nine steps"): one token per row of ``(logits, metadata)``; the order is the contract.
 
 1 keep raw logprobs / logits for rows that ask (before anything writes the logits)
 2 float32

@@ -1,4 +1,4 @@
-"""SamplingParams: what one request asks of the sampler, and its validation (SPEC §2.5).
+"""SamplingParams: what one request asks of the sampler, and its validation (docs/sampling.md "Validation and ranges").
 
 Field names follow vLLM so that users and ported processors feel at home. Validation that
 needs no model runs in ``__post_init__``; validation that needs the model's vocabulary runs in
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeGuard
 
 from worker.structured_outputs import StructuredOutputsParams
 
@@ -20,34 +20,34 @@ LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logp
 DEFAULT_MAX_LOGPROBS = 20
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: Any) -> bool:
+def _is_number(x: object) -> TypeGuard[int | float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _bad(name: str, value: Any, rule: str) -> ValueError:
+def _bad(name: str, value: object, rule: str) -> ValueError:
     return ValueError(f"{name}: {rule}, got {_shown(value)}")
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """``repr`` cut short: an error message must not echo a megabyte back."""
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-# Fixed-width integer ranges (SPEC §2.5): what the engine stores in int64 columns, and seeds.
+# Fixed-width integer ranges (docs/sampling.md "Validation and ranges"): what the engine stores in int64 columns, and seeds.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # vLLM's range; the engine seeds with seed % 2**64
 
 
-def _is_int_in(x: Any, lo: int, hi: int) -> bool:
+def _is_int_in(x: object, lo: int, hi: int) -> bool:
     return _is_int(x) and lo <= x <= hi
 
 
-def _is_finite_number(x: Any) -> bool:
+def _is_finite_number(x: object) -> bool:
     return _is_number(x) and math.isfinite(x)
 
 
@@ -59,7 +59,7 @@ def check_unicode(name: str, text: str) -> None:
         raise ValueError(f"{name}: must be valid Unicode (lone surrogate at index {exc.start})") from None
 
 
-def check_json_text(name: str, value: Any, depth: int = 0) -> None:
+def check_json_text(name: str, value: object, depth: int = 0) -> None:
     """Every key and string inside a JSON-like value is valid Unicode (no recursion past 100 levels)."""
     if depth > 100:
         raise ValueError(f"{name}: nested more than 100 levels deep")
@@ -75,6 +75,12 @@ def check_json_text(name: str, value: Any, depth: int = 0) -> None:
             check_json_text(name, v, depth + 1)
     elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{name}: numbers must be finite, got {value!r}")
+
+
+class Encoder(Protocol):
+    """All ``update_from_tokenizer`` needs of a tokenizer (a transformers one, or a test's)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 @dataclass
@@ -144,11 +150,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def all_stop_token_ids(self) -> set[int]:
@@ -211,8 +213,11 @@ class SamplingParams:
         if self.logprobs is not None and not _is_int_in(self.logprobs, 0, INT64_MAX):
             raise _bad("logprobs", self.logprobs, "must be an integer >= 0")
         if self.prompt_logprobs is not None and not _is_int_in(self.prompt_logprobs, 0, INT64_MAX):
-            raise _bad("prompt_logprobs", self.prompt_logprobs,
-                       "must be an integer >= 0 (-1, the whole vocabulary, is not supported)")
+            raise _bad(
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                "must be an integer >= 0 (-1, the whole vocabulary, is not supported)",
+            )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
         if self.extra_args is not None:
@@ -241,11 +246,8 @@ class SamplingParams:
 
     # -- engine-side completion ----------------------------------------------------------
 
-    def update_from_tokenizer(self, tokenizer: Any, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
-        """Tokenize bad words (bare and with a leading space, both kept) and collect stop ids.
-
-        ``tokenizer`` needs only ``encode(text, add_special_tokens=False) -> list[int]``.
-        """
+    def update_from_tokenizer(self, tokenizer: Encoder, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+        """Tokenize bad words (bare and with a leading space, both kept) and collect stop ids."""
         words: list[list[int]] = []
         for word in self.bad_words:
             for form in (word.lstrip(), " " + word.lstrip()):
@@ -259,7 +261,7 @@ class SamplingParams:
         self._all_stop_token_ids = stops
 
 
-def _token_key(k: Any) -> int:
+def _token_key(k: object) -> int:
     """logit_bias keys arrive as strings over JSON; anything not an integer is rejected."""
     if _is_int(k):
         return k

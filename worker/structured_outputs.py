@@ -16,9 +16,14 @@ from typing import Any
 
 KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar", "json_object")
 
+# The largest constraint a request may give, as its canonical ``spec`` in UTF-8 bytes: compile
+# cost grows with it (issue 17: a 600 KB grammar took 5 GB and 15 minutes to compile). The
+# engine's compiler enforces it; the ingress checks ``limits.max_constraint_bytes`` (default: this).
+MAX_CONSTRAINT_BYTES = 64 << 10
 
-def _bad(name: str, value: Any, rule: str) -> ValueError:
-    return ValueError(f"structured_outputs.{name}: {rule}, got {value!r}"[:500])
+
+def _bad(field_name: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{field_name}: {rule}, got {value!r}"[:500])
 
 
 @dataclass
@@ -47,24 +52,25 @@ class StructuredOutputsParams:
 
     def _check(self, kind: str) -> None:
         value = getattr(self, kind)
+        where = self.field_name
         if kind == "json":
             if isinstance(value, str):
                 try:
                     parsed = _json.loads(value)
                 except ValueError as exc:
-                    raise _bad("json", value, f"not valid JSON ({exc})") from exc
+                    raise _bad(where, value, f"not valid JSON ({exc})") from exc
             else:
                 parsed = value
             if not isinstance(parsed, dict):
-                raise _bad("json", value, "must be a JSON schema (an object)")
+                raise _bad(where, value, "must be a JSON schema (an object)")
         elif kind in ("regex", "grammar"):
             if not isinstance(value, str) or not value.strip():
-                raise _bad(kind, value, "must be a non-empty string")
+                raise _bad(where, value, "must be a non-empty string")
         elif kind == "choice":
             if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-                raise _bad("choice", value, "must be a non-empty list of non-empty strings")
+                raise _bad(where, value, "must be a non-empty list of non-empty strings")
         elif value is not True:
-            raise _bad("json_object", value, "must be true")
+            raise _bad(where, value, "must be true")
 
     @property
     def kind(self) -> str:

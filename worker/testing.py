@@ -21,7 +21,7 @@ from worker.logits_processor.interface import BatchUpdate, LogitsProcessor, Move
 from worker.sampling_params import SamplingParams
 
 # (config, device, is_pin_memory) -> processor; a LogitsProcessor subclass is one.
-ProcessorFactory = Callable[[Any, torch.device, bool], LogitsProcessor]
+ProcessorFactory = Callable[[object, torch.device, bool], LogitsProcessor]
 ParamsFactory = Callable[[random.Random], SamplingParams]
 
 _ALPHABET = "abcde"
@@ -126,7 +126,7 @@ class _Run:
         vocab_size: int,
         max_num_reqs: int,
         seed: int,
-        config: Any,
+        config: object,
     ) -> None:
         self.factory = factory
         self.make_params = make_params
@@ -140,7 +140,7 @@ class _Run:
         self.refs: dict[str, LogitsProcessor] = {}
         self.next_id = 0
         # token ids the toy tokenizer gives _ALPHABET, drawn often so bad words can match
-        self.hot = CharTokenizer(vocab_size).encode(_ALPHABET) + [vocab_size - 1]
+        self.hot = [*CharTokenizer(vocab_size).encode(_ALPHABET), vocab_size - 1]
 
     def churn(self) -> tuple[list[str], list[tuple[str, SamplingParams, list[int], list[int]]], list[tuple[int, int]]]:
         rng, ids = self.rng, self.batch.req_ids
@@ -159,10 +159,12 @@ class _Run:
             output = [self._token() for _ in range(rng.randint(0, 3))] if rng.random() < 0.2 else []
             new.append((rid, params, prompt, output))
         size = len(ids) - len(finished) + n_new
-        swaps = []
+        swaps: list[tuple[int, int]] = []
         if size >= 2 and rng.random() < 0.3:
-            swaps = [tuple(rng.sample(range(size), 2)) for _ in range(rng.randint(1, 2))]
-        return finished, new, swaps  # type: ignore[return-value]
+            for _ in range(rng.randint(1, 2)):
+                a, b = rng.sample(range(size), 2)
+                swaps.append((a, b))
+        return finished, new, swaps
 
     def _token(self) -> int:
         return self.rng.choice(self.hot) if self.rng.random() < 0.5 else self.rng.randrange(self.vocab_size)
@@ -176,7 +178,10 @@ class _Run:
             where = "" if row is None else f" row {row} (request {rid!r}):"
             return ConformanceFailure(
                 f"step {step}:{where} {msg}; BatchUpdate of this step: {describe_update(update, ids)}",
-                step=step, row=row, req_id=rid, batch_update=update,
+                step=step,
+                row=row,
+                req_id=rid,
+                batch_update=update,
             )
 
         for rid in finished:
@@ -213,7 +218,8 @@ class _Run:
                 raise fail(
                     f"differs from a batch-of-one reference at token ids {toks}: "
                     f"batched {out[row, toks].tolist()}, alone {expected[toks].tolist()}",
-                    row, rid,
+                    row,
+                    rid,
                 )
         for row in range(len(ids)):  # the step's sampled token, appended to the live lists
             self.batch.output_ids_of(row).append(self._token())
@@ -226,7 +232,7 @@ def check_processor(
     vocab_size: int = 64,
     seed: int = 0,
     make_params: ParamsFactory | None = None,
-    config: Any = None,
+    config: object = None,
     max_num_reqs: int = 8,
 ) -> None:
     """Raise ConformanceFailure (an AssertionError) at the first step a row diverges.
@@ -238,9 +244,7 @@ def check_processor(
     the step's BatchUpdate. Runs on CPU, deterministic for a given ``seed``.
     """
     if make_params is None:
-        make_params = lambda rng: random_params(rng, vocab_size)  # noqa: E731
-    run = _Run(
-        cls_or_factory, make_params, vocab_size=vocab_size, max_num_reqs=max_num_reqs, seed=seed, config=config
-    )
+        make_params = lambda rng: random_params(rng, vocab_size)
+    run = _Run(cls_or_factory, make_params, vocab_size=vocab_size, max_num_reqs=max_num_reqs, seed=seed, config=config)
     for step in range(steps):
         run.step(step)

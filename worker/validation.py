@@ -1,6 +1,6 @@
 """Request validation shared by the engine and the serving ingress (which has no model loaded).
 
-Standard rules (SPEC §2.5, in SamplingParams) + vocabulary/context checks + every loaded
+Standard rules (docs/sampling.md "Validation and ranges", in SamplingParams) + vocabulary/context checks + every loaded
 processor's ``validate_params``; each failure is a ValueError naming the field.
 """
 

@@ -1,14 +1,14 @@
 """Prompt logprobs across the gRPC conversion: engine RequestOutput -> wire -> client types.
 
-The server side (cluster/grpc_convert.py) and the client side (client/_convert.py) are separate
+The server side (cluster/rpc/convert.py) and the client side (client/convert.py) are separate
 codecs; a round trip through real protobuf bytes shows they agree (and that "not asked" and
 "a one-token prompt" stay distinguishable)."""
 
 from __future__ import annotations
 
-from client._convert import chunks_from_pb, completion_from_pb, sampling_params_to_pb
+from client.convert import chunks_from_pb, completion_from_pb, sampling_params_to_pb
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
-from cluster.grpc_convert import delta_pb, response_pb, sampling_params_from_pb
+from cluster.rpc.convert import delta_pb, response_pb, sampling_params_from_pb
 from worker.outputs import CompletionOutput, Logprob, RequestOutput
 
 PROMPT = [4, 7, 9]
@@ -20,8 +20,9 @@ def decode(tok: int) -> str:
 
 
 def _out(plp) -> RequestOutput:
-    return RequestOutput("r", None, PROMPT, [CompletionOutput(0, "<3>", [3], None, None, "length")], True,
-                         prompt_logprobs=plp)
+    return RequestOutput(
+        "r", None, PROMPT, [CompletionOutput(0, "<3>", [3], None, None, "length")], True, prompt_logprobs=plp
+    )
 
 
 def _wire(msg):

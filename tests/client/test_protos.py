@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from client import json_from_pb, json_to_pb
-from client._convert import SAMPLING_FIELDS
+from client.convert import SAMPLING_FIELDS
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from client.pb.logitpool.v1 import logitpool_pb2_grpc
 
@@ -34,7 +34,9 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
     out = tmp_path / "pb"
     subprocess.run(
         [sys.executable, str(REPO / "protos" / "generate.py"), "--out", str(out)],
-        check=True, capture_output=True, timeout=120,
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     fresh, committed = _tree(out), _tree(COMMITTED)
     assert sorted(fresh) == sorted(committed), "run `python protos/generate.py` and commit client/pb"
@@ -56,7 +58,7 @@ def test_sampling_params_message_covers_every_engine_field() -> None:
     from worker.sampling_params import SamplingParams
 
     engine = {f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")}
-    assert SAMPLING_FIELDS == engine
+    assert engine == SAMPLING_FIELDS
 
 
 def test_every_sampling_scalar_can_be_left_unset() -> None:
@@ -125,7 +127,9 @@ def test_json_tuple_becomes_list() -> None:
     assert _same(_over_the_wire((1, "a")), [1, "a"])
 
 
-@pytest.mark.parametrize(("value", "error"), [(2**63, ValueError), ({1: "a"}, TypeError), ({1, 2}, TypeError), (b"x", TypeError)])
+@pytest.mark.parametrize(
+    ("value", "error"), [(2**63, ValueError), ({1: "a"}, TypeError), ({1, 2}, TypeError), (b"x", TypeError)]
+)
 def test_json_value_rejects_what_json_cannot_hold(value: Any, error: type[Exception]) -> None:
     with pytest.raises(error):
         json_to_pb(value)

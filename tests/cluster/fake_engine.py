@@ -1,4 +1,4 @@
-"""A fake engine for the worker deployment (cluster.worker takes an engine factory): no model,
+"""A fake engine for the worker deployment (cluster.worker_deployment takes an engine factory): no model,
 no torch step, a behaviour chosen per test. Tests run it in Serve's local testing mode, in
 this process, so the class attributes below are shared with the test."""
 
@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import ClassVar
 
-from worker.async_engine import EngineDeadError
+from worker.async_engine import EngineDeadError, EngineStats
 from worker.config import EngineConfig
 from worker.outputs import CompletionOutput, RequestOutput
 from worker.sampling_params import SamplingParams
-
-
-@dataclass
-class FakeStats:
-    alive: bool
-    num_running: int = 0
-    kv: dict[str, float] = field(default_factory=dict)
-    finished: dict[str, int] = field(default_factory=dict)
 
 
 def fake_token(prompt: list[int], i: int) -> int:
@@ -47,8 +38,8 @@ class FakeEngine:
     def num_running(self) -> int:
         return self._running
 
-    def stats(self) -> FakeStats:
-        return FakeStats(alive=type(self).alive, num_running=self._running)
+    def stats(self) -> EngineStats:
+        return EngineStats(alive=type(self).alive, heartbeat_age_s=0.0, num_running=self._running, num_waiting=0)
 
     def healthy(self) -> bool:
         return type(self).alive

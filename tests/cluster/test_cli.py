@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from cluster.cli import _serve_parser, build_config
+from cluster.cli.main import _serve_parser, build_config
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -47,7 +49,7 @@ def test_bad_flags_fail_with_the_field_named():
 
 
 def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monkeypatch):
-    from cluster.launch import local_cluster_env
+    from cluster.cli.launch import local_cluster_env
 
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     cfg = build_config(parse())
@@ -58,7 +60,7 @@ def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monke
     assert all(t.stat().st_mode & 0o777 == 0o600 and t.parent.stat().st_mode & 0o777 == 0o700 for t in tokens)
     assert first["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "cluster.slow_clients:install"
     assert float(first["LOGITPOOL_HTTP_READ_TIMEOUT_S"]) == cfg.limits.read_timeout_s
-    assert int(first["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == 64 << 20
+    assert int(first["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == cfg.limits.grpc_message_bytes == 4 << 20
     assert first["RAY_worker_niceness"] == "0"  # serving processes at normal priority
     monkeypatch.setenv("RAY_worker_niceness", "5")
     assert local_cluster_env(cfg, tmp_path)["RAY_worker_niceness"] == "5"  # the caller's choice wins
@@ -67,3 +69,22 @@ def test_a_local_cluster_gets_a_fresh_private_token_and_loopback(tmp_path, monke
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in wide and wide["RAY_AUTH_MODE"] == "token"
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # honoured (the test suite's own clusters), warned about
     assert "RAY_AUTH_MODE" not in local_cluster_env(cfg, tmp_path)
+
+
+def test_generate_into_a_closed_pipe_ends_quietly():
+    """`logitpool generate ... | head -c 3`: the reader leaves early; no traceback, no error line."""
+    from tests.client.fake_server import FakeLogitPool, serve
+
+    with serve(FakeLogitPool(delay=0.02)) as running:
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", "generate", "hi", "--target", running.target, "--max-tokens", "400"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        assert cli.stdout is not None and cli.stderr is not None
+        first = cli.stdout.read(3)  # like `head -c 3`, then the reader is gone
+        cli.stdout.close()
+        err = cli.stderr.read().decode()
+        rc = cli.wait(timeout=120)
+    assert first
+    assert err == "", err
+    assert rc == 141  # 128 + SIGPIPE, as a Unix tool whose reader went away

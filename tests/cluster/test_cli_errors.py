@@ -3,6 +3,7 @@ every failure here happens before Ray starts, which is the point)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.cli import banner, main
-from cluster.cli_errors import CliError
+from cluster.cli.main import banner, main
+from cluster.cli.errors import CliError
 from cluster.config import LogitpoolConfig
-from cluster.deploy_wait import cause
-from cluster.status_view import status_lines
+from cluster.cli.deploy_wait import cause
+from cluster.pool_stats import PoolSnapshot
+from cluster.cli.status_view import status_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +56,7 @@ def test_debug_adds_the_traceback(tmp_path, capsys):
 
 def test_bad_processor_fails_in_seconds_without_ray():
     """In a fresh process, as an operator runs it: the import error, and Ray never imported."""
-    code = ("import sys; from cluster.cli import main; rc = main(['serve', '--logits-processors', 'nosuch.mod:C']);"
+    code = ("import sys; from cluster.cli.main import main; rc = main(['serve', '--logits-processors', 'nosuch.mod:C']);"
             "assert 'ray' not in sys.modules; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
@@ -70,8 +72,17 @@ def test_cause_is_the_traceback_exception():
 
 def test_banner_with_keys_shows_how_to_send_one():
     cfg = LogitpoolConfig.model_validate({"engine": {"model": "/srv/m"}, "api_key_env": "MY_KEYS"})
-    text = "\n".join(banner(cfg, "127.0.0.1", keys=True))
-    assert '-H "Authorization: Bearer $MY_KEYS"' in text and '--api-key "$MY_KEYS"' in text
+    lines = banner(cfg, "127.0.0.1", keys=True)
+    text = "\n".join(lines)
+    assert "${MY_KEYS%%,*}" in text  # the variable is shown, never a key
+    # Run as printed by a POSIX shell (curl and the CLI stubbed to print their arguments): with
+    # several comma-separated keys, the first one is sent.
+    curl = next(line for line in lines if line.strip().startswith("curl "))
+    generate = next(line for line in lines if " generate " in line).split(" generate ", 1)[1]
+    script = f"curl() {{ printf '%s\\n' \"$@\"; }}\n{curl}\nprintf '%s\\n' {generate}\n"
+    out = subprocess.run(["sh", "-c", script], env={"MY_KEYS": "k1,k2", "PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "Authorization: Bearer k1" in out and out[out.index("--api-key") + 1] == "k1"
     assert "'m'" in text  # the served name, not the path
     assert "Authorization" not in "\n".join(banner(cfg, "127.0.0.1", keys=False))
 
@@ -81,14 +92,24 @@ def test_status_lines_show_pending_replicas_and_engine_load():
                              message="Deployment has 1 replicas that have taken more than 30s to be scheduled.")
     ingress = SimpleNamespace(status="HEALTHY", replica_states={"RUNNING": 1}, message="")
     st = SimpleNamespace(status="DEPLOYING", deployments={"LogitpoolWorker": worker, "LogitpoolIngress": ingress})
-    snaps = [{"replica_id": "b", "alive": True, "num_running": 3, "num_waiting": 1, "kv": {"usage": 0.25}},
-             {"replica_id": "a", "alive": False, "num_running": 0, "num_waiting": 0, "kv": {}}]
+    kv = {"blocks_used": 8192.0, "blocks_free": 8191.0, "blocks_total": 16383.0, "prefix_hit_rate": 0.25}
+    snaps = [PoolSnapshot(replica_id="b", alive=True, heartbeat_age_s=0.1, num_running=3, num_waiting=1, kv=kv,
+                          kv_cache_bytes=3 << 30),
+             PoolSnapshot(replica_id="a", alive=False, heartbeat_age_s=70.0, num_running=0, num_waiting=0)]
     lines = status_lines("logitpool", st, snaps)
     assert lines[0] == "application logitpool: DEPLOYING"
     assert "  LogitpoolWorker: UPDATING  replicas: RUNNING=2 STARTING=1" in lines
     assert any("to be scheduled" in line for line in lines)
-    rows = [line.split() for line in lines if line.startswith("  a ") or line.startswith("  b ")]
-    assert rows == [["a", "NO", "0", "0", "-"], ["b", "yes", "3", "1", "usage=0.25"]]
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("replica"))
+    assert [h.strip() for h in lines[head].split("  ") if h.strip()] == [
+        "replica", "alive", "running", "waiting", "kv used", "kv free", "kv total", "prefix hits", "kv memory"]
+    rows = [line.split() for line in lines[head + 1:]]
+    # Integers print as integers (no 8.19e+03), rows sorted by replica, every column aligned.
+    assert rows == [["a", "NO", "0", "0", "-", "-", "-", "-", "-"],
+                    ["b", "yes", "3", "1", "8,192", "8,191", "16,383", "25.0%", "3.0", "GiB"]]
+    # Aligned: every numeric column ends at the same offset in the header and in each row.
+    assert lines[head].index("running") + len("running") == lines[head + 2].index(" 3 ") + 2
+    assert "e+" not in "\n".join(lines)
     assert status_lines("x", None, []) == ["application x: not deployed"]
 
 
@@ -98,7 +119,7 @@ def _app(status: str, **deployments: tuple[str, str]) -> SimpleNamespace:
 
 
 def test_wait_running_reports_then_fails_with_the_cause(monkeypatch):
-    from cluster import deploy_wait
+    from cluster.cli import deploy_wait
 
     states = iter([
         _app("DEPLOYING", W=("UPDATING", "A replica failed to start. Error:\nValueError: bad model\n")),
@@ -113,7 +134,7 @@ def test_wait_running_reports_then_fails_with_the_cause(monkeypatch):
 
 
 def test_wait_running_stops_waiting_for_unplaceable_replicas_once_serving(monkeypatch):
-    from cluster import deploy_wait
+    from cluster.cli import deploy_wait
 
     msg = ("Deployment 'W' has 1 replicas that have taken more than 30s to be scheduled. Resources required for "
            'each replica: {"CPU": 0.5, "GPU": 1.0}, total resources available: {"CPU": 6.0}. Use `ray status`.')
@@ -128,7 +149,7 @@ def test_wait_running_stops_waiting_for_unplaceable_replicas_once_serving(monkey
 
 
 def test_only_replicas_short_of_resources_count_as_unplaceable():
-    from cluster.deploy_wait import unplaceable
+    from cluster.cli.deploy_wait import unplaceable
 
     slow = ('has 1 replicas that have taken more than 5s to be scheduled. Resources required for each replica: '
             '{"CPU": 1.0}, total resources available: {"CPU": 6.0}.')

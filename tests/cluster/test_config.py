@@ -20,7 +20,7 @@ from cluster.config import (
     ServerConfig,
     WorkerDeploymentConfig,
 )
-from cluster.serve_config import (
+from cluster.deploy.serve_config import (
     APP_IMPORT_PATH,
     GRPC_SERVICER_FUNCTIONS,
     INGRESS_DEPLOYMENT,
@@ -263,7 +263,7 @@ def test_deployment_options_apply_to_serve_deployments() -> None:
 
 def test_committed_serve_yaml_is_fresh() -> None:
     committed = (REPO / "cluster" / "serve.yaml").read_text(encoding="utf-8")
-    assert committed == render_yaml(LogitpoolConfig()), "regenerate: python -m cluster.serve_config -o cluster/serve.yaml"
+    assert committed == render_yaml(LogitpoolConfig()), "regenerate: python -m cluster.deploy.serve_config -o cluster/serve.yaml"
 
 
 def test_main_writes_the_file_for_a_config(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def base_url(serve_ports, tiny_model_dir):
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
     from cluster.config import LogitpoolConfig
 
     cfg = LogitpoolConfig.model_validate({

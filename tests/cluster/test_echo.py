@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.openai_protocol import (
+from cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Echo,

@@ -12,7 +12,7 @@ import pytest
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster import limits as request_limits
 from cluster.frontend import Frontend, tenant_id
-from cluster.grpc_service import GrpcAdapter
+from cluster.rpc.service import GrpcAdapter
 from cluster.limits import Limits
 from tests.cluster.fake_engine import FakeEngine
 from tests.cluster.test_frontend_local import KEY, _ctx, cfg, fe, http, worker  # noqa: F401,F811 - fixtures

@@ -21,10 +21,11 @@ from cluster import frontend as frontend_module
 from cluster.app import build_app
 from cluster.config import LogitpoolConfig
 from cluster.frontend import Frontend
-from cluster.grpc_service import GrpcAdapter
-from cluster.http_adapter import HttpAdapter
-from cluster.http_app import build_api
-from cluster.worker import WorkerDeployment
+from cluster.rpc.service import GrpcAdapter
+from cluster.openai.adapter import HttpAdapter
+from cluster.openai.routes import build_api
+from cluster.pool_stats import PoolSnapshot
+from cluster.worker_deployment import WorkerDeployment
 from tests.cluster.fake_engine import FakeEngine, fake_token
 
 KEY = "sk-local"
@@ -50,7 +51,7 @@ def worker(cfg: LogitpoolConfig) -> Any:
 
 @pytest.fixture
 def fe(cfg: LogitpoolConfig, worker: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Frontend]:
-    async def pool() -> list[dict[str, Any]]:
+    async def pool() -> list[PoolSnapshot]:
         return [await worker.stats.remote()]  # one replica: its handle reaches it
 
     monkeypatch.setattr(frontend_module, "REPLICA_RETRY_BACKOFF_S", 0.0)

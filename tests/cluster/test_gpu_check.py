@@ -7,7 +7,7 @@ import pytest
 
 from cluster.config import LogitpoolConfig
 from cluster.gpu_check import gpu_problem
-from cluster.worker import replica_engine_config
+from cluster.worker_deployment import replica_engine_config
 
 
 @pytest.mark.parametrize(("gpu_ids", "device", "cuda", "allow_cpu", "fails"), [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from client._convert import generate_request
-from cluster.grpc_convert import sampling_params_from_pb
+from client.convert import generate_request
+from cluster.rpc.convert import sampling_params_from_pb
 from worker.structured_outputs import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2]}}}

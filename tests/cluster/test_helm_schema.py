@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster.config import LogitpoolConfig
-from cluster.helm_schema import CHART, SCHEMA, VALUES_TO_CONFIG, generate, main, render
+from cluster.deploy.helm_schema import CHART, SCHEMA, VALUES_TO_CONFIG, generate, main, render
 from worker.config import EngineConfig
 
 

@@ -3,6 +3,7 @@ JSON out, and the lenient gRPC deserializer. The live HTTP/gRPC repros are in te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.config import LogitpoolConfig
 from cluster.errors import classify, error_body
-from cluster.grpc_servicers import MalformedRequest, _lenient
+from cluster.grpc_servicers import WireRequest, _deferred
 from cluster.limits import Limits, PayloadTooLarge, check_request, json_depth_exceeds, parse_json
 from worker.sampling_params import SamplingParams
 
@@ -167,27 +168,33 @@ def test_error_body_is_openai_shaped():
 
 
 def test_responses_never_carry_nan_or_infinity():
-    from cluster.http_wire import dumps
+    from cluster.openai.wire import dumps
 
     text = dumps({"logprob": -math.inf, "top": [math.nan, math.inf, 1.5], "ok": 2})
     assert json.loads(text) == {"logprob": -9999.0, "top": [None, 9999.0, 1.5], "ok": 2}
     assert "Infinity" not in text and "NaN" not in text
 
 
-def test_malformed_protobuf_becomes_a_malformed_request():
+def test_the_proxy_defers_parsing_and_a_malformed_message_is_a_value_error():
     handler = grpc.unary_unary_rpc_method_handler(
         lambda r, c: None, request_deserializer=pb.GenerateRequest.FromString,
         response_serializer=pb.GenerateResponse.SerializeToString)
-    parse = _lenient(handler).request_deserializer
-    bad = parse(b"\xff\xff\xff\xff garbage")
-    assert isinstance(bad, MalformedRequest)
-    assert "logitpool.v1.GenerateRequest" in str(bad.error()) and "DecodeError" not in str(bad.error())
+    defer = _deferred(handler).request_deserializer
+    raw = b"\xff\xff\xff\xff garbage"
+    bad = defer(raw)
+    assert isinstance(bad, WireRequest) and bad.raw == raw  # the proxy never parses
+    with pytest.raises(ValueError) as err:
+        bad.parse(pb.GenerateRequest)
+    assert "logitpool.v1.GenerateRequest" in str(err.value) and "DecodeError" not in str(err.value)
     # nesting beyond protobuf's recursion limit is a decode error too
-    assert isinstance(parse(deep_request_bytes(200)), MalformedRequest)
-    shallow = parse(deep_request_bytes(10))
-    assert isinstance(shallow, pb.GenerateRequest) and shallow.params.extra_args["a"].HasField("list_value")
-    ok = parse(pb.GenerateRequest(prompt="hi").SerializeToString())
+    with pytest.raises(ValueError, match="not a valid"):
+        defer(deep_request_bytes(200)).parse(pb.GenerateRequest)
+    shallow = defer(deep_request_bytes(10)).parse(pb.GenerateRequest)
+    assert shallow.params.extra_args["a"].HasField("list_value")
+    ok = defer(pb.GenerateRequest(prompt="hi").SerializeToString()).parse(pb.GenerateRequest)
     assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "hi"
+    with pytest.raises(ValueError, match="not a valid logitpool.v1.ListProcessorsRequest"):
+        defer(b"").parse(pb.ListProcessorsRequest)  # a message of another method's type
 
 
 def test_pool_snapshots_are_json_whatever_the_engine_reports():
@@ -198,9 +205,15 @@ def test_pool_snapshots_are_json_whatever_the_engine_reports():
 
     stats = EngineStats(alive=True, heartbeat_age_s=0.1, num_running=2, num_waiting=1, finished={"stop": 3},
                         restarts=1, kv={"blocks_used": torch.tensor(7), "hit_rate": float("nan"), "name": "x"})
-    snap = json.loads(json.dumps(pool_stats.snapshot(stats, kv_cache_bytes=1024), allow_nan=False))
-    assert snap["kv"] == {"blocks_used": 7.0} and snap["finished"] == {"stop": 3} and snap["kv_cache_bytes"] == 1024
-    assert pool_stats.any_alive([snap]) and not pool_stats.any_alive([{**snap, "alive": False}])
+    snap = pool_stats.snapshot(stats, kv_cache_bytes=1024)
+    wire = json.loads(snap.to_json())  # allow_nan=False inside: strict JSON or an error
+    assert wire["kv"] == {"blocks_used": 7.0} and wire["finished"] == {"stop": 3} and wire["kv_cache_bytes"] == 1024
+    back = pool_stats.PoolSnapshot.from_json(snap.to_json(), replica_id="r1")
+    assert back == dataclasses.replace(snap, replica_id="r1")
+    assert pool_stats.any_alive([snap]) and not pool_stats.any_alive([dataclasses.replace(snap, alive=False)])
+    for bad in ("[]", '{"alive": true}', "not json"):  # a malformed entry is an error the reader skips
+        with pytest.raises((TypeError, ValueError)):
+            pool_stats.PoolSnapshot.from_json(bad)
 
 
 def test_metrics_sum_the_pool_and_keep_per_replica_kv():
@@ -208,11 +221,13 @@ def test_metrics_sum_the_pool_and_keep_per_replica_kv():
 
     from cluster.metrics import Metrics
 
+    from cluster.pool_stats import PoolSnapshot
+
     pool = [
-        {"replica_id": "a", "alive": True, "num_running": 2, "num_waiting": 1, "finished": {"stop": 3, "error": 1},
-         "restarts": 1, "kv": {"blocks_used": 5.0}, "kv_cache_bytes": 100, "heartbeat_age_s": 0.2},
-        {"replica_id": "b", "alive": False, "num_running": 1, "num_waiting": 0, "finished": {"stop": 4, "abort": 2},
-         "restarts": 0, "kv": {}, "kv_cache_bytes": 50, "heartbeat_age_s": 70.0},
+        PoolSnapshot(replica_id="a", alive=True, num_running=2, num_waiting=1, finished={"stop": 3, "error": 1},
+                     restarts=1, kv={"blocks_used": 5.0}, kv_cache_bytes=100, heartbeat_age_s=0.2),
+        PoolSnapshot(replica_id="b", alive=False, num_running=1, num_waiting=0, finished={"stop": 4, "abort": 2},
+                     restarts=0, kv={}, kv_cache_bytes=50, heartbeat_age_s=70.0),
     ]
     m = Metrics()
     m.reject("http", 413)
@@ -228,3 +243,142 @@ def test_metrics_sum_the_pool_and_keep_per_replica_kv():
     assert samples[("logitpool_kv_cache", (("replica", "a"), ("stat", "blocks_used")))] == 5
     assert samples[("logitpool_kv_cache", (("replica", "b"), ("stat", "bytes")))] == 50
     assert samples[("logitpool_requests_rejected_total", (("protocol", "http"), ("status", "413")))] == 1
+
+
+# -- UTF-8 only (issue 17, item 8) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+def test_json_in_another_encoding_is_415(encoding):
+    """json.loads(bytes) would decode these (RFC 4627 detection) and the byte-level surrogate scan
+    would not see the escapes inside: the issue's way to a lone surrogate in a constraint."""
+    from cluster.limits import UnsupportedMediaType
+
+    for text in ('{"structured_outputs": {"regex": "\\ud800"}}', '{"prompt": "x", "model": "\\udfff"}', '{}'):
+        with pytest.raises(UnsupportedMediaType, match="^body: JSON must be UTF-8") as err:
+            parse_json(LIMITS, text.encode(encoding))
+        assert classify(err.value).http == 415
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
+                    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+                    max_leaves=12),
+       st.sampled_from(["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be", "utf-16", "utf-32"]))
+def test_no_json_value_is_accepted_in_another_encoding(value, encoding):
+    from cluster.limits import UnsupportedMediaType
+
+    text = json.dumps(value)
+    assert parse_json(LIMITS, text.encode("utf-8")) == value
+    assert parse_json(LIMITS, b"\xef\xbb\xbf" + text.encode("utf-8")) == value  # a UTF-8 BOM is skipped
+    with pytest.raises(ValueError) as err:
+        parse_json(LIMITS, text.encode(encoding))
+    assert isinstance(err.value, UnsupportedMediaType) or "UTF-8" in str(err.value)
+
+
+def test_bytes_that_are_not_utf8_are_400_naming_the_body():
+    for bad in (b'{"prompt": "\xed\xa0\x80"}', b'{"prompt": "\xc0\xaf"}', b'{"prompt": "\xff"}'):
+        with pytest.raises(ValueError, match="^body: not valid UTF-8") as err:
+            parse_json(LIMITS, bad)
+        assert classify(err.value).http == 400
+
+
+@pytest.mark.parametrize(("content_type", "charset"), [
+    ("application/json", None), ("application/json; charset=utf-8", "utf-8"),
+    ('application/json;Charset="UTF-16"', "utf-16"), ("application/json; foo=bar; charset=latin-1", "latin-1"),
+])
+def test_content_type_charset(content_type, charset):
+    from cluster.openai.wire import charset as parse_charset
+
+    assert parse_charset(content_type) == charset
+
+
+# -- the response a request may ask for (issue 17, item 2) -----------------------------------
+
+
+def _position(tok: int, k: int):
+    from worker.outputs import Logprob
+
+    return {t: Logprob(-1.0, r + 1, f"<{t}>") for r, t in enumerate(range(tok, tok + k + 1))}
+
+
+def _outputs(prompts: int, n: int, length: int, generated: int, k: int | None, kp: int | None):
+    from worker.outputs import CompletionOutput, RequestOutput
+
+    outs = []
+    for _ in range(prompts):
+        plp = None if kp is None else [None] + [_position(t, kp) for t in range(1, length)]
+        choices = [CompletionOutput(i, "x" * generated, [7] * generated, -1.0,
+                                    None if k is None else [_position(7, k) for _ in range(generated)], "length")
+                   for i in range(n)]
+        outs.append(RequestOutput("r", None, list(range(length)), choices, True, prompt_logprobs=plp))
+    return outs
+
+
+def _entries(body: dict) -> int:
+    """Logprob entries in a completions response, counted in its JSON: the reference."""
+    total = 0
+    for choice in body["choices"]:
+        positions = (choice.get("prompt_logprobs") or []) + ((choice["logprobs"] or {}).get("top_logprobs") or [])
+        total += sum(len(p) for p in positions if p is not None)
+    return total
+
+
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 6), st.integers(1, 5),
+       st.none() | st.integers(0, 3), st.none() | st.integers(0, 3), st.booleans())
+def test_response_estimate_bounds_the_response_it_describes(prompts, n, length, generated, k, kp, echo):
+    """The estimate against the entries a real completions response carries (built by the
+    protocol's own code): never fewer; more only by the prompts' first positions (no logprob)."""
+    from cluster.limits import ResponseShape, response_logprobs
+    from cluster.openai.protocol import Echo, completion_response
+
+    params = SamplingParams(n=n, max_tokens=generated, logprobs=k, prompt_logprobs=kp)
+    outs = _outputs(prompts, n, length, generated, k, kp)
+    echoes = [Echo("p", list(range(length)), out.prompt_logprobs) for out in outs] if echo else None
+    body = json.loads(json.dumps(completion_response("id", "m", outs, str, echoes=echoes)))
+    estimate = response_logprobs(params, [length] * prompts, 10_000, ResponseShape(True, echo))
+    actual = _entries(body)
+    first = 0 if kp is None else prompts * (n + (n if echo and k is not None else 0)) * (kp + 1)
+    assert actual <= estimate <= actual + first
+
+
+def test_the_issues_amplifying_request_is_refused_before_admission():
+    """64 prompts x n 64 with prompt logprobs (the 584 MB response): a 400 naming the limit."""
+    from cluster.limits import ResponseShape, check_response
+
+    params = SamplingParams(n=64, max_tokens=16, logprobs=5, prompt_logprobs=5)
+    with pytest.raises(ValueError, match=r"limits\.max_response_logprobs \(1048576\)") as err:
+        check_response(LIMITS, params, [100] * 64, 2048, ResponseShape(True, echo=True))
+    assert error_body(classify(err.value))["error"]["param"] == "prompt_logprobs"
+    check_response(LIMITS, SamplingParams(n=1, max_tokens=16, logprobs=5, prompt_logprobs=5), [2000], 2048,
+                   ResponseShape(True, echo=True))  # lm-eval's loglikelihood shape: one long prompt
+
+
+def test_choices_share_their_prompts_logprobs():
+    """Converted once per prompt, the same list in each of its n choices (not n copies)."""
+    from cluster.openai.protocol import completion_choices
+
+    choices = list(completion_choices(_outputs(2, 3, 4, 1, None, 2), str))
+    assert len(choices) == 6
+    assert all(c["prompt_logprobs"] is choices[0]["prompt_logprobs"] for c in choices[:3])
+    assert choices[3]["prompt_logprobs"] is not choices[0]["prompt_logprobs"]
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+    max_leaves=10)
+
+
+@given(st.dictionaries(st.text(max_size=6), _json_values, max_size=3), st.lists(_json_values, max_size=8),
+       st.dictionaries(st.text(max_size=6), _json_values, max_size=3), st.integers(1, 200))
+def test_a_response_written_in_pieces_is_the_same_bytes(head, items, tail, chunk_bytes):
+    from cluster.openai.wire import dumps, json_chunks
+
+    head.pop("choices", None)
+    tail = {k: v for k, v in tail.items() if k not in head and k != "choices"}
+    pieces = list(json_chunks(head, "choices", iter(items), lambda: tail, chunk_bytes))
+    assert b"".join(pieces) == dumps({**head, "choices": items, **tail}).encode("utf-8")
+    # a piece: up to chunk_bytes, plus the item that crossed it, plus the head or the tail
+    item = max((len(dumps(i).encode()) for i in items), default=0)
+    edges = len(dumps(head).encode()) + len(dumps(tail).encode()) + len("choices") + 8
+    assert all(len(p) <= chunk_bytes + item + edges for p in pieces)

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, classify, error_body
-from cluster.openai_protocol import (
+from cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     completion_logprobs,
@@ -60,8 +60,10 @@ def test_rejected_at_parse(body, param):
 
 @pytest.mark.parametrize("prompt", ["", [], ["x", ""], [[1], []]])
 def test_empty_prompts_rejected(prompt):
+    from cluster.frontend import check_prompts  # the rule both protocols share
+
     with pytest.raises(ValueError, match="prompt: must not be empty"):
-        CompletionRequest.model_validate({"prompt": prompt}).prompts()
+        check_prompts(CompletionRequest.model_validate({"prompt": prompt}).prompts())
 
 
 def test_stream_options_with_stream_accepted():

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_response
+from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, chat_response
 from worker.outputs import CompletionOutput, RequestOutput
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

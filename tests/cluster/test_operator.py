@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from cluster.cli import main
-from cluster.launch import deploy, healthy
-from cluster.cli_errors import CliError
+from cluster.cli.main import main
+from cluster.cli.launch import deploy, healthy
+from cluster.cli.errors import CliError
 from cluster.config import LogitpoolConfig
 
 pytestmark = pytest.mark.ray
@@ -47,7 +47,7 @@ def test_placement_pending_status_and_scale(serve_ports, tiny_model_dir, tmp_pat
     import ray
     from ray import serve
 
-    from cluster import session
+    from cluster.cli import session
 
     # Three replicas of one GPU each on two GPUs: two run (one per GPU), the third is pending.
     cfg = config(str(tiny_model_dir), serve_ports, 3, device="auto")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from client._convert import processors_from_pb
-from cluster.grpc_convert import processors_pb
+from client.convert import processors_from_pb
+from cluster.rpc.convert import processors_pb
 from tests.fixtures.seed_processors import DummyLogitsProcessor, RaisingLogitsProcessor
 from worker.logits_processor.registry import build_logits_processors
 

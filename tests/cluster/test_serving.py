@@ -35,7 +35,7 @@ def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolCon
 
 @pytest.fixture(scope="module")
 def serving(serve_ports, tiny_model_dir):
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
 
     # Autoscaling between 1 and 2 worker replicas with short delays: light tests run on one
     # replica, the load test grows the pool to two, which then stay (long downscale delay).

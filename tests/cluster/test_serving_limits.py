@@ -21,7 +21,7 @@ KEY = "s3cret-key"
 def limited(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
 
     cfg = LogitpoolConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "max_num_seqs": 2, "max_num_batched_tokens": 256,

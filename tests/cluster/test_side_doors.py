@@ -2,7 +2,10 @@
 that cannot use the session's cluster, since what it checks is how the CLI starts one): every
 listening socket of its whole process tree is on the chosen host (loopback), except the gRPC
 port, which Ray Serve 2.60's proxy binds on every interface; Ray token auth is on (RAY_AUTH_MODE
-is removed from the child's environment, which the test suite otherwise sets to `disabled`)."""
+is removed from the child's environment, which the test suite otherwise sets to `disabled`).
+With several API keys in LOGITPOOL_API_KEY, the banner's curl example works as printed; Serve's
+gRPC proxy refuses a message past limits.max_grpc_message_bytes before anything reads it; the
+HTTP proxy answers 431 past the config's `limits.max_header_bytes` (the CLI passes it on)."""
 
 from __future__ import annotations
 
@@ -78,13 +81,72 @@ def listening_sockets(pids: set[int]) -> list[tuple[int, str, int]]:
     return out
 
 
-def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
+def _banner_curl_works(lines: list[str], env: dict[str, str]) -> None:
+    """The banner's curl line, run by a POSIX shell as printed, with several keys in the variable."""
+    (curl,) = [line for line in lines if line.strip().startswith("curl ")]
+    out = subprocess.run(["sh", "-c", curl.strip() + " --silent --show-error --max-time 60 --write-out ' %{http_code}'"],
+                         env=env, capture_output=True, text=True, timeout=90)
+    assert out.stdout.endswith(" 200"), (curl, out.stdout[-500:], out.stderr[-500:])
+
+
+def _grpc_message_bound(grpc_port: int) -> None:
+    """Past limits.max_grpc_message_bytes (4 MiB): Serve's proxy refuses it, key or not, without
+    reading it; past limits.max_body_bytes (1 MiB) only: the ingress refuses it, naming the limit."""
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.max_send_message_length", -1)]) as ch:
+        rpc = ch.unary_unary("/logitpool.v1.LogitPool/Generate", request_serializer=None, response_deserializer=None)
+        for size, key, code, says in [
+            (5 << 20, None, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+            (5 << 20, "k1", grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+            (2 << 20, "k1", grpc.StatusCode.INVALID_ARGUMENT, "limits.max_body_bytes"),
+            (2 << 20, None, grpc.StatusCode.UNAUTHENTICATED, "API key"),
+        ]:
+            meta = (("authorization", f"Bearer {key}"),) if key else ()
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                rpc(b"\x0a" + b"\xff" * size, timeout=60, metadata=meta)
+            assert err.value.code() == code and says in err.value.details(), err.value.details()
+            print(f"gRPC {size >> 20} MiB, key={key}: {code.name} in {time.monotonic() - start:.2f}s")
+
+
+def _metrics_export_on_loopback(pids: set[int], sockets: list[tuple[int, str, int]]) -> None:
+    """Ray's dashboard agent exports Prometheus metrics without the Ray token, on loopback only
+    (Ray 2.60 has no switch for it: README, "Side doors"). Found by asking each agent listener."""
+    agents = {pid for pid in pids if b"ray::DashboardAgent" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    exporters = []
+    for pid, ip, port in sockets:
+        if pid in agents:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200 and "ray_" in r.text:
+                exporters.append((ip, port, len(r.content)))
+    assert exporters and all(ip in LOOPBACK for ip, _, _ in exporters), (exporters, agents)
+    print(f"Ray agent metrics without the token (loopback): {exporters}")
+
+
+def _head_status(port: int, size: int) -> bytes:
+    """The status line Serve's HTTP proxy answers a GET /health whose head is `size` bytes."""
+    import socket
+
+    start = "GET /health HTTP/1.1\r\nhost: t\r\nx-pad: "
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall((start + "a" * (size - len(start) - 4) + "\r\n\r\n").encode())
+        return s.recv(65536).split(b"\r\n", 1)[0]
+
+
+def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir, tmp_path):
     http_port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "LOGITPOOL_HTTP"))}
     env["PYTHONPATH"] = str(REPO_ROOT)
+    env["LOGITPOOL_API_KEY"] = "k1,k2"
+    config = tmp_path / "config.yaml"  # a header limit of its own: the CLI hands it to Serve's proxy
+    config.write_text("limits:\n  max_header_bytes: 8192\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port)],
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--config", str(config)],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )
@@ -98,11 +160,17 @@ def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir):
                 break
         assert proc.poll() is None, "".join(lines)[-3000:]
         assert f"[::]:{grpc_port}" in "".join(lines), "the banner must say gRPC listens on every interface"
-        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        _banner_curl_works(lines, env)
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       headers={"Authorization": "bearer k2"})
         assert r.status_code == 200
-        with Client(f"127.0.0.1:{grpc_port}", timeout=60) as c:
+        assert _head_status(http_port, 8000) == b"HTTP/1.1 200 OK"
+        assert _head_status(http_port, 9000) == b"HTTP/1.1 431 Request Header Fields Too Large"
+        with Client(f"127.0.0.1:{grpc_port}", api_key="k1", timeout=60) as c:
             assert c.health() and len(c.generate("x", max_tokens=2, ignore_eos=True).token_ids) == 2
+        _grpc_message_bound(grpc_port)
         sockets = listening_sockets(_descendants(proc.pid))
+        _metrics_export_on_loopback(_descendants(proc.pid), sockets)
         assert any(port == http_port for _, _, port in sockets)
         exposed = [(pid, ip, port) for pid, ip, port in sockets if ip not in LOOPBACK]
         assert {port for _, _, port in exposed} <= {grpc_port}, f"listening beyond loopback: {exposed}"

@@ -33,7 +33,7 @@ class Verdict(BaseModel):
 def serving(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.launch import deploy, wait_ready
+    from cluster.cli.launch import deploy, wait_ready
 
     cfg = LogitpoolConfig.model_validate({
         "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": 1024},
@@ -89,6 +89,15 @@ def test_vllm_fields_and_streaming(oai):
          "response_format.json_schema.schema: invalid JSON schema: .*objekt"),
         ({"guided_grammar": "root ::= nothing"}, "guided_grammar: invalid grammar: .*nothing"),
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend: not implemented"),
+        # issue 17, item 11: impossible or unsatisfiable constraints are 400s too (the second was a 500:
+        # the first token found nothing to sample)
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "minLength": 5, "maxLength": 2}}}},
+         "response_format.json_schema.schema: invalid JSON schema: minLength 5 is greater than maxLength 2"),
+        ({"structured_outputs": {"json": {"type": "string", "pattern": "^\\t+$"}}},
+         "structured_outputs.json: invalid JSON schema: no output satisfies it"),
+        ({"structured_outputs": {"regex": "a" * 70_000}},
+         r"structured_outputs.regex: 70000 bytes exceeds limits.max_constraint_bytes \(65536\)"),
     ],
 )
 def test_invalid_constraint_is_a_400_naming_the_field(oai, extra, needle):
@@ -103,3 +112,6 @@ def test_grpc_oneof_and_invalid_argument(grpc_client):
     Verdict.model_validate_json(out.text)
     with pytest.raises(InvalidArgument, match="structured_outputs.json: invalid JSON schema"):
         grpc_client.generate("p", max_tokens=4, structured_outputs={"json": {"type": "objekt"}})
+    with pytest.raises(InvalidArgument, match="structured_outputs.json: invalid JSON schema: minItems is greater"):
+        grpc_client.generate("p", max_tokens=4, structured_outputs={"json": {"type": "array", "minItems": 5,
+                                                                             "maxItems": 2}})

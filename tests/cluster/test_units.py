@@ -12,12 +12,12 @@ from pydantic import ValidationError
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from client._convert import completion_from_pb, sampling_params_to_pb
+from client.convert import completion_from_pb, sampling_params_to_pb
 from cluster.auth import ApiKeys, Unauthenticated
 from cluster.errors import ModelNotFound, RequestFailed, classify, error_body, replica_unavailable
-from cluster.grpc_convert import delta_pb, prompt_from_pb, response_pb, sampling_params_from_pb
+from cluster.rpc.convert import delta_pb, prompt_from_pb, response_pb, sampling_params_from_pb
 from cluster.limits import PayloadTooLarge
-from cluster.openai_protocol import CompletionRequest
+from cluster.openai.protocol import CompletionRequest
 from worker.async_engine import EngineDeadError
 from worker.outputs import CompletionOutput, Logprob, RequestOutput
 from worker.sampling_params import SamplingParams

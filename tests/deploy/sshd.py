@@ -27,15 +27,29 @@ from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
 # What counts as a Ray process (ray's own `ray stop` list, abridged).
-RAY_MARKERS = ("raylet", "gcs_server", "ray::", "default_worker.py", "dashboard", "monitor.py",
-               "log_monitor.py", "ray_client_server", "runtime_env", "ray_process_reaper", "serve")
+RAY_MARKERS = (
+    "raylet",
+    "gcs_server",
+    "ray::",
+    "default_worker.py",
+    "dashboard",
+    "monitor.py",
+    "log_monitor.py",
+    "ray_client_server",
+    "runtime_env",
+    "ray_process_reaper",
+    "serve",
+)
 
 
 def privilege_prefix() -> list[str] | None:
     """[] as root, ["sudo", "-n"] where passwordless sudo works, else None."""
     if os.geteuid() == 0:
         return []
-    if shutil.which("sudo") and subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode == 0:
+    if (
+        shutil.which("sudo")
+        and subprocess.run(["sudo", "-n", "true"], capture_output=True, check=False).returncode == 0
+    ):
         return ["sudo", "-n"]
     return None
 
@@ -45,17 +59,17 @@ def ensure_packages() -> str | None:
 
     Returns None when ready, else why it cannot be (the caller skips with that reason).
     """
-    missing = [pkg for pkg, binary in (("openssh-server", SSHD), ("rsync", "/usr/bin/rsync"))
-               if not Path(binary).exists()]
+    missing = [
+        pkg for pkg, binary in (("openssh-server", SSHD), ("rsync", "/usr/bin/rsync")) if not Path(binary).exists()
+    ]
     if not missing:
         return None
     prefix = privilege_prefix()
     if prefix is None or not shutil.which("apt-get"):
         return f"{', '.join(missing)} missing and cannot be installed here (needs apt-get as root or sudo -n)"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]):
-        done = subprocess.run(prefix + cmd, capture_output=True, text=True, env=env)
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]):
+        done = subprocess.run([*prefix, *cmd], capture_output=True, text=True, env=env, check=False)
         if done.returncode != 0:
             return f"`{' '.join(cmd)}` failed ({done.returncode}): {done.stderr.strip()[-300:]}"
     return None
@@ -66,9 +80,10 @@ def namespaces_available() -> str | None:
     prefix = privilege_prefix()
     if prefix is None or not shutil.which("unshare"):
         return "cannot create PID/mount namespaces (needs unshare as root or sudo -n)"
-    probe = subprocess.run(prefix + ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"unshare --pid --mount-proc failed: {probe.stderr.strip()[-200:]}"
+    probe = [*prefix, "unshare", "--pid", "--fork", "--mount-proc", "true"]
+    done = subprocess.run(probe, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return f"unshare --pid --mount-proc failed: {done.stderr.strip()[-200:]}"
     return None
 
 
@@ -100,8 +115,12 @@ class LoopbackSSHD:
         prefix = privilege_prefix()
         if not prefix:  # root reads every process's namespace link itself
             return processes_in(self.namespace)
-        listed = subprocess.run(prefix + [sys.executable, str(Path(__file__).resolve()), "list", self.namespace],
-                                capture_output=True, text=True, check=True)
+        listed = subprocess.run(
+            [*prefix, sys.executable, str(Path(__file__).resolve()), "list", self.namespace],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return [(pid, cmd) for pid, cmd in json.loads(listed.stdout)]
 
     def ray_processes(self) -> list[tuple[int, str]]:
@@ -141,33 +160,36 @@ def start(workdir: Path, *, path_dirs: list[str], env: dict[str, str]) -> Loopba
         (home / name).write_text("\n".join(exports) + "\n")
     port = free_port()
     config = workdir / "sshd_config"
-    config.write_text("\n".join([
-        f"ListenAddress 127.0.0.1:{port}",
-        f"HostKey {host_key}",
-        f"PidFile {workdir / 'sshd.pid'}",
-        f"AuthorizedKeysFile {workdir / 'authorized_keys'}",
-        f"AllowUsers {user}",
-        "PermitRootLogin prohibit-password",
-        "PubkeyAuthentication yes",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "UsePAM no",
-        "StrictModes no",
-        "PermitUserEnvironment yes",
-        "MaxSessions 64",
-        "MaxStartups 64",
-        "Subsystem sftp internal-sftp",
-        "LogLevel VERBOSE",
-    ]) + "\n")
-    subprocess.run(prefix + ["mkdir", "-p", "/run/sshd", "/tmp/ray"], check=True)
-    subprocess.run(prefix + [SSHD, "-t", "-f", str(config)], check=True)
+    config.write_text(
+        "\n".join(
+            [
+                f"ListenAddress 127.0.0.1:{port}",
+                f"HostKey {host_key}",
+                f"PidFile {workdir / 'sshd.pid'}",
+                f"AuthorizedKeysFile {workdir / 'authorized_keys'}",
+                f"AllowUsers {user}",
+                "PermitRootLogin prohibit-password",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "PermitUserEnvironment yes",
+                "MaxSessions 64",
+                "MaxStartups 64",
+                "Subsystem sftp internal-sftp",
+                "LogLevel VERBOSE",
+            ]
+        )
+        + "\n"
+    )
+    subprocess.run([*prefix, "mkdir", "-p", "/run/sshd", "/tmp/ray"], check=True)
+    subprocess.run([*prefix, SSHD, "-t", "-f", str(config)], check=True)
     log = workdir / "sshd.log"
     inner = 'mount --bind "$1" /tmp/ray && exec "$2" -D -E "$3" -f "$4"'
-    process = subprocess.Popen(
-        prefix + ["unshare", "--pid", "--mount", "--mount-proc", "--propagation", "private",
-                  "--kill-child", "sh", "-c", inner, "sh", str(ray_tmp), SSHD, str(log), str(config)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    unshare = ["unshare", "--pid", "--mount", "--mount-proc", "--propagation", "private", "--kill-child"]
+    argv = [*prefix, *unshare, "sh", "-c", inner, "sh", str(ray_tmp), SSHD, str(log), str(config)]
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     namespace = _wait_for_namespace(process.pid)
     sshd = LoopbackSSHD(port, user, key, home, ray_tmp, log, process, namespace)
     _wait_for_port(port, process)

@@ -19,8 +19,8 @@ def instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
     joined = re.sub(r"\\\n", " ", DOCKERFILE.read_text(encoding="utf-8"))
     out = []
-    for line in joined.splitlines():
-        line = line.strip()
+    for raw in joined.splitlines():
+        line = raw.strip()
         if line and not line.startswith("#"):
             op, _, rest = line.partition(" ")
             out.append((op.upper(), rest.strip()))

@@ -1,5 +1,5 @@
 """The Helm chart, offline: lint, render, validate what it renders, and prove that its
-`serveConfigV2` is what `cluster.serve_config.serve_config` makes of the same settings.
+`serveConfigV2` is what `cluster.deploy.serve_config.serve_config` makes of the same settings.
 
 No Kubernetes API server is needed: helm-python-sdk renders, KubeRay's RayService CRD
 (read from ../shared/data/kuberay, never copied here) and kubernetes-validate check the objects.
@@ -17,11 +17,11 @@ import jsonschema
 import pytest
 import yaml
 
+from cluster.config import LogitpoolConfig
+from cluster.deploy.serve_config import serve_config
+
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart offline")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
-
-from cluster.config import LogitpoolConfig  # noqa: E402
-from cluster.serve_config import serve_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "logitpool"
@@ -31,22 +31,51 @@ RELEASE, NAMESPACE = "lp", "serving"
 
 # The LogitpoolConfig each values file stands for, written out by hand.
 DEFAULT_EQUIVALENT = {
-    "engine": {"model": None, "dtype": "auto", "max_num_seqs": 64, "max_num_batched_tokens": 2048,
-               "max_model_len": None, "max_logprobs": 20, "seed": 0, "logits_processors": []},
-    "workers": {"num_replicas": 1, "num_gpus": 1, "num_cpus": 1, "max_ongoing_requests": None,
-                "max_queued_requests": 256},
+    "engine": {
+        "model": None,
+        "dtype": "auto",
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 2048,
+        "max_model_len": None,
+        "max_logprobs": 20,
+        "seed": 0,
+        "logits_processors": [],
+    },
+    "workers": {
+        "num_replicas": 1,
+        "num_gpus": 1,
+        "num_cpus": 1,
+        "max_ongoing_requests": None,
+        "max_queued_requests": 256,
+    },
     "ingress": {"num_replicas": 1, "num_cpus": 1, "max_ongoing_requests": 1024, "max_queued_requests": 1024},
     "server": {"host": "0.0.0.0", "http_port": 8000, "grpc_port": 9000},
 }
 GPU_EQUIVALENT = {
-    "engine": {"model": "/models/Qwen2.5-0.5B-Instruct", "dtype": "bfloat16", "max_num_seqs": 128,
-               "max_num_batched_tokens": 8192, "max_model_len": 4096, "max_logprobs": 5, "seed": 7,
-               "logits_processors": ["my_company.processors:BanPhrasesLogitsProcessor"]},
+    "engine": {
+        "model": "/models/Qwen2.5-0.5B-Instruct",
+        "dtype": "bfloat16",
+        "max_num_seqs": 128,
+        "max_num_batched_tokens": 8192,
+        "max_model_len": 4096,
+        "max_logprobs": 5,
+        "seed": 7,
+        "logits_processors": ["my_company.processors:BanPhrasesLogitsProcessor"],
+    },
     "workers": {
-        "autoscaling": {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 96,
-                        "upscale_delay_s": 15, "downscale_delay_s": 120, "metrics_interval_s": 2.5,
-                        "look_back_period_s": 20},
-        "num_gpus": 2, "num_cpus": 3.5, "max_ongoing_requests": 192, "max_queued_requests": 512,
+        "autoscaling": {
+            "min_replicas": 1,
+            "max_replicas": 8,
+            "target_ongoing_requests": 96,
+            "upscale_delay_s": 15,
+            "downscale_delay_s": 120,
+            "metrics_interval_s": 2.5,
+            "look_back_period_s": 20,
+        },
+        "num_gpus": 2,
+        "num_cpus": 3.5,
+        "max_ongoing_requests": 192,
+        "max_queued_requests": 512,
     },
     "ingress": {"num_replicas": 2, "num_cpus": 0.5, "max_ongoing_requests": 4096, "max_queued_requests": -1},
     "server": {"host": "0.0.0.0", "http_port": 8080, "grpc_port": 50051},
@@ -149,7 +178,7 @@ def test_lint_strict_is_clean(which: str, gpu_values: dict[str, Any]) -> None:
     ],
 )
 def test_a_typo_in_values_fails(chart: Any, typo: dict[str, Any]) -> None:
-    with pytest.raises(helm_python.HelmError, match="additional|not allowed|additionalProperties"):
+    with pytest.raises(helm_python.HelmError, match=r"additional|not allowed|additionalProperties"):
         render(chart, typo)
     assert helm_python.lint(CHART, typo, strict=True)["errors"]
 
@@ -194,8 +223,12 @@ def test_core_objects_and_pod_templates_are_valid_kubernetes(case: tuple) -> Non
     # The pod templates inside the RayService, checked as real PodTemplates.
     cluster = only(docs, "RayService")["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
-        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
-                        "template": group["template"]}
+        pod_template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "t"},
+            "template": group["template"],
+        }
         kubernetes_validate.validate(pod_template, version, strict=True)
 
 
@@ -210,7 +243,7 @@ def test_serve_config_v2_equals_serve_config_of_the_same_settings(case: tuple) -
 
 
 def test_head_runs_no_replicas_and_ports_are_exposed(case: tuple) -> None:
-    values, docs, expected = case
+    _values, docs, expected = case
     cluster = only(docs, "RayService")["spec"]["rayClusterConfig"]
     head = cluster["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"
@@ -247,8 +280,11 @@ def test_scaling_bounds_drive_serve_and_pods_together(case: tuple) -> None:
     rayservice = only(docs, "RayService")
     cluster = rayservice["spec"]["rayClusterConfig"]
     group = worker_group(rayservice)
-    (worker,) = [d for d in yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["deployments"]
-                 if d["name"] == "LogitpoolWorker"]
+    (worker,) = [
+        d
+        for d in yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["deployments"]
+        if d["name"] == "LogitpoolWorker"
+    ]
     auto = expected["workers"].get("autoscaling")
     if auto:
         assert cluster["enableInTreeAutoscaling"] is True

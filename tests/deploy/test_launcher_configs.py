@@ -105,8 +105,15 @@ def test_gpu_cluster_shape() -> None:
 def test_gpu_operator_settings_come_first() -> None:
     text = GPU.read_text(encoding="utf-8")
     marker = text.index("Usually left as is")
-    for setting in ["cluster_name:", "region:", "InstanceType:", "min_workers:", "max_workers:",
-                    "logitpool version", "model:"]:
+    for setting in [
+        "cluster_name:",
+        "region:",
+        "InstanceType:",
+        "min_workers:",
+        "max_workers:",
+        "logitpool version",
+        "model:",
+    ]:
         assert text.index(setting) < marker, setting
 
 

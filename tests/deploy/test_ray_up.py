@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from cluster.config import LogitpoolConfig
-from cluster.serve_config import render_yaml
+from cluster.deploy.serve_config import render_yaml
 from tests.deploy import sshd
 
 pytestmark = pytest.mark.slow
@@ -34,8 +34,19 @@ LOCAL = REPO / "cluster" / "ray-up.local.yaml"
 BIN = Path(sys.executable).parent
 UP_TIMEOUT_S, DEPLOY_TIMEOUT_S, DOWN_TIMEOUT_S = 300, 300, 180
 
-PORT_NAMES = ("gcs", "dashboard", "client", "agent_listen", "agent_grpc", "runtime_env_agent", "metrics",
-              "node_manager", "object_manager", "http", "grpc")
+PORT_NAMES = (
+    "gcs",
+    "dashboard",
+    "client",
+    "agent_listen",
+    "agent_grpc",
+    "runtime_env_agent",
+    "metrics",
+    "node_manager",
+    "object_manager",
+    "http",
+    "grpc",
+)
 
 
 def free_ports(names: tuple[str, ...]) -> dict[str, int]:
@@ -53,7 +64,9 @@ def launcher_env() -> dict[str, str]:
 
 
 def run(cmd: list[str], log: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
     log.write_text(f"$ {' '.join(cmd)}\n[rc={done.returncode}]\n{done.stdout}\n--- stderr ---\n{done.stderr}")
     return done
 
@@ -67,19 +80,24 @@ def derived_config(node: sshd.LoopbackSSHD, ports: dict[str, int], name: str) ->
     cfg = yaml.safe_load(LOCAL.read_text(encoding="utf-8"))
     cfg["cluster_name"] = name
     cfg["provider"] = {"type": "local", "head_ip": "127.0.0.1", "worker_ips": []}
-    cfg["auth"] = {"ssh_user": node.user, "ssh_private_key": str(node.key),
-                   "ssh_proxy_command": node.proxy_command}  # Ray has no SSH port option
+    cfg["auth"] = {
+        "ssh_user": node.user,
+        "ssh_private_key": str(node.key),
+        "ssh_proxy_command": node.proxy_command,
+    }  # Ray has no SSH port option
     # The venv already holds torch and logitpool: keep every setup step but the installs, and
     # check instead that the synced checkout imports on the node.
     installs = [c for c in cfg["setup_commands"] if c.lstrip().startswith("pip install")]
     assert len(installs) == 2, installs
     cfg["setup_commands"] = [c for c in cfg["setup_commands"] if c not in installs] + [
-        "python -c 'import cluster.serve_config, client.pb.logitpool.v1.logitpool_pb2_grpc'"
+        "python -c 'import cluster.deploy.serve_config, client.pb.logitpool.v1.logitpool_pb2_grpc'"
     ]
     start = cfg["head_start_ray_commands"][-1]
-    for old, new in [("--port=6379", f"--port={ports['gcs']}"),
-                     ("--dashboard-port=8265", f"--dashboard-port={ports['dashboard']}"),
-                     ("--dashboard-host=0.0.0.0", "--dashboard-host=127.0.0.1")]:
+    for old, new in [
+        ("--port=6379", f"--port={ports['gcs']}"),
+        ("--dashboard-port=8265", f"--dashboard-port={ports['dashboard']}"),
+        ("--dashboard-host=0.0.0.0", "--dashboard-host=127.0.0.1"),
+    ]:
         assert old in start, old
         start = start.replace(old, new)
     start += (
@@ -102,9 +120,8 @@ def wait_for_app(dashboard: int, app: str, timeout: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     status: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                status = json.load(resp).get("applications", {}).get(app, {})
+        with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url, timeout=10) as resp:
+            status = json.load(resp).get("applications", {}).get(app, {})
         if status.get("status") == "RUNNING":
             return status
         if status.get("status") in {"DEPLOY_FAILED", "UNHEALTHY"}:
@@ -122,18 +139,22 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[sshd.LoopbackSSHD
     started = sshd.start(
         tmp_path_factory.mktemp("ray_up"),
         path_dirs=[str(BIN)],
-        env={"PYTHONPATH": "$HOME/logitpool", "LOGITPOOL_CACHE": cache, "HF_HUB_OFFLINE": "1",
-             "RAY_USAGE_STATS_ENABLED": "0"},
+        env={
+            "PYTHONPATH": "$HOME/logitpool",
+            "LOGITPOOL_CACHE": cache,
+            "HF_HUB_OFFLINE": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        },
     )
     yield started
     started.stop()  # kills whatever is left in the node's namespace
 
 
 def test_ray_up_deploy_request_ray_down(node: sshd.LoopbackSSHD, tmp_path: Path) -> None:
-    from client import Client
+    from ray.autoscaler._private.local.config import get_lock_path, get_state_path
     from ray.serve.schema import ServeDeploySchema
 
-    from ray.autoscaler._private.local.config import get_lock_path, get_state_path
+    from client import Client
 
     ports = free_ports(PORT_NAMES)
     config = tmp_path / "cluster.yaml"
@@ -143,8 +164,11 @@ def test_ray_up_deploy_request_ray_down(node: sshd.LoopbackSSHD, tmp_path: Path)
     timings: dict[str, float] = {}
     try:  # whatever fails from here on, the cluster is still torn down
         t0 = time.monotonic()
-        done = run([str(BIN / "ray"), "up", "-y", "--no-config-cache", "--log-style=record", str(config)],
-                   tmp_path / "ray_up.log", UP_TIMEOUT_S)
+        done = run(
+            [str(BIN / "ray"), "up", "-y", "--no-config-cache", "--log-style=record", str(config)],
+            tmp_path / "ray_up.log",
+            UP_TIMEOUT_S,
+        )
         assert done.returncode == 0, tail(done)
         timings["ray up"] = time.monotonic() - t0
         head = node.ray_processes()
@@ -158,15 +182,19 @@ def test_ray_up_deploy_request_ray_down(node: sshd.LoopbackSSHD, tmp_path: Path)
         serve_file.write_text(render_yaml(cfg), encoding="utf-8")
         ServeDeploySchema.model_validate(yaml.safe_load(serve_file.read_text(encoding="utf-8")))
         t0 = time.monotonic()
-        done = run([str(BIN / "serve"), "deploy", str(serve_file), "-a", f"http://127.0.0.1:{ports['dashboard']}"],
-                   tmp_path / "serve_deploy.log", 120)
+        done = run(
+            [str(BIN / "serve"), "deploy", str(serve_file), "-a", f"http://127.0.0.1:{ports['dashboard']}"],
+            tmp_path / "serve_deploy.log",
+            120,
+        )
         assert done.returncode == 0, tail(done)
         wait_for_app(ports["dashboard"], cfg.app_name, DEPLOY_TIMEOUT_S)
         timings["deploy to RUNNING"] = time.monotonic() - t0
 
         body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0.0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{ports['http']}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as resp:
             assert resp.status == 200
             completion = json.load(resp)
@@ -179,8 +207,11 @@ def test_ray_up_deploy_request_ray_down(node: sshd.LoopbackSSHD, tmp_path: Path)
         assert out.text == http_text  # greedy: both front ends reach the same worker and model
     finally:
         t0 = time.monotonic()
-        down = run([str(BIN / "ray"), "down", "-y", "--log-style=record", str(config)],
-                   tmp_path / "ray_down.log", DOWN_TIMEOUT_S)
+        down = run(
+            [str(BIN / "ray"), "down", "-y", "--log-style=record", str(config)],
+            tmp_path / "ray_down.log",
+            DOWN_TIMEOUT_S,
+        )
         timings["ray down"] = time.monotonic() - t0
         print(f"timings (s): { {k: round(v, 1) for k, v in timings.items()} }")
         for launcher_file in (get_lock_path(name), get_state_path(name)):  # the local provider's records

@@ -1,4 +1,4 @@
-"""TEST FIXTURES: processors that force tokens, write NaN or raise, to exercise SPEC §2.4's
+"""TEST FIXTURES: processors that force tokens, write NaN or raise, to exercise docs/sampling.md "The nine steps"'s
 non-finite rules and the engine's failure isolation. Each reads one ``extra_args`` key, so the
 rows that enable it are exactly the ones a fault should stay with.
 """

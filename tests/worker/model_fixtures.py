@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model
+from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""A plain, per-row reference of every sampler step (SPEC §2.4): loops, sorts, no cleverness.
+"""A plain, per-row reference of every sampler step (docs/sampling.md "The nine steps"): loops, sorts, no cleverness.
 
 Each function takes ONE row (a 1-D float32 tensor) and returns a new one. Float formulas are
 the same elementwise operations the batched code uses, so masks compare exactly and floats

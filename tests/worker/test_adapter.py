@@ -77,10 +77,8 @@ class _Adapter(AdapterLogitsProcessor):
 def test_two_and_three_argument_callables() -> None:
     proc = _Adapter(None, CPU, False)
     batch = PersistentBatch(4)
-    outs: dict[str, list[int]] = {}
     new = [_req("two", {"kind": "two"}), _req("three", {"kind": "three"}, prompt=[1, 4]), _req("off")]
-    for rid, _, _, out in new:
-        outs[rid] = out
+    outs = {rid: out for rid, _, _, out in new}
     proc.update_state(batch.update([], new))
 
     logits = torch.zeros(3, V)

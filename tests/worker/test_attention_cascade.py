@@ -16,14 +16,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker import attention_cascade
-from worker.attention import DecodeRows, PromptChunk, StepMetadata, _decode, paged_kv_attention
-from worker.attention_cascade import common_prefix_blocks, shared_chunks, shared_prefix
-from worker.block_gather import head_major
+from worker.model import cascade as attention_cascade
+from worker.model.attention import DecodeRows, PromptChunk, StepMetadata, _decode, paged_kv_attention
+from worker.model.cascade import common_prefix_blocks, shared_chunks, shared_prefix
+from worker.model.gather import head_major
 
 
-def reference_row(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: list[int], length: int,
-                  scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+def reference_row(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: list[int],
+    length: int,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
     """One row, float64: q [H, D] -> [H, D] over positions 0..length-1 of its block table."""
     kv_heads, _, bs, _ = k_cache.shape
     rep = q.shape[0] // kv_heads
@@ -87,8 +95,9 @@ def test_cascade_equals_per_row_reference(step) -> None:
     split = None
     if run:
         split = shared_prefix(table, t_lengths, max(lengths), run, bs, num_blocks, kv_heads)
-    rows = DecodeRows(torch.arange(batch), table, head_major(table.view(-1), kv_heads, num_blocks), t_lengths,
-                      max(lengths), split)
+    rows = DecodeRows(
+        torch.arange(batch), table, head_major(table.view(-1), kv_heads, num_blocks), t_lengths, max(lengths), split
+    )
     meta = StepMetadata([k_cache], [v_cache], torch.empty(0, dtype=torch.long), rows, ())
     with torch.inference_mode():
         got = _decode(q, k_cache, v_cache, meta, window, None, softcap)
@@ -157,8 +166,16 @@ def test_prompt_chunks_past_a_shared_prefix_equal_the_reference(step, seed) -> N
     for cascade in (split, None):
         meta = StepMetadata([k_cache], [v_cache], torch.tensor(slots), None, tuple(chunks), {}, cascade)
         with torch.inference_mode():
-            out, _ = paged_kv_attention(SimpleNamespace(layer_idx=0), query, key, value, None,
-                                        logitpool_step=meta, sliding_window=window, softcap=softcap)
+            out, _ = paged_kv_attention(
+                SimpleNamespace(layer_idx=0),
+                query,
+                key,
+                value,
+                None,
+                logitpool_step=meta,
+                sliding_window=window,
+                softcap=softcap,
+            )
         outs.append(out[0])
     scale = dim**-0.5
     for tok, n, start, table in zip(token_starts, sizes, starts, tables):

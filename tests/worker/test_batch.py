@@ -1,4 +1,4 @@
-"""PersistentBatch: SPEC §2.1's worked examples, errors, columns, metadata, and a stateful model."""
+"""PersistentBatch: docs/sampling.md "Row layout"'s worked examples, errors, columns, metadata, and a stateful model."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ U, S = MoveDirectionality.UNIDIRECTIONAL, MoveDirectionality.SWAP
 
 
 def _req(rid: str, **kw: object) -> tuple[str, SamplingParams, list[int], list[int]]:
-    return (rid, SamplingParams(**kw), [1, 2], [])  # type: ignore[arg-type]
+    return (rid, SamplingParams(**kw), [1, 2], [])  # type: ignore[arg-type]  # kw: SamplingParams' own fields
 
 
 def _batch_of(ids: str, max_num_reqs: int = 8) -> PersistentBatch:
@@ -27,7 +27,7 @@ def _batch_of(ids: str, max_num_reqs: int = 8) -> PersistentBatch:
     return b
 
 
-# -- SPEC §2.1 worked examples -----------------------------------------------------------------
+# -- docs/sampling.md "Row layout" worked examples -----------------------------------------------------------------
 
 
 def test_worked_example_fewer_new_than_finished() -> None:
@@ -234,7 +234,7 @@ def _expected_columns(p: SamplingParams) -> dict[str, float | int | bool]:
 
 
 def _model_update(order: list[str], finished: list[str], new: list[str], swaps: list[tuple[int, int]]) -> list[str]:
-    """SPEC §2.1 on a plain list, written independently of the implementation."""
+    """docs/sampling.md "Row layout" on a plain list, written independently of the implementation."""
     slots: list[str | None] = list(order)
     holes = sorted(slots.index(r) for r in finished)
     for k, rid in enumerate(new):

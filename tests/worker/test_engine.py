@@ -220,7 +220,7 @@ def test_no_finite_logit_fails_only_that_request(tiny_model):
 
 
 def reference_penalized_greedy(loaded, prompt, n, rep, freq, pres):
-    """Plain per-step reference: full forward, SPEC §2.4 step 6 penalties, argmax."""
+    """Plain per-step reference: full forward, docs/sampling.md "The nine steps" step 6 penalties, argmax."""
     out: list[int] = []
     with torch.inference_mode():
         for _ in range(n):

@@ -1,6 +1,6 @@
 """Fair admission on the real tiny model, counted in engine steps (never seconds): a small request
 behind a request holding every row, tenants holding their shares, priority, and the same path
-through the worker replica (cluster.worker.LogitpoolWorker over AsyncEngine)."""
+through the worker replica (cluster.worker_deployment.LogitpoolWorker over AsyncEngine)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from cluster.worker import LogitpoolWorker
+from cluster.worker_deployment import LogitpoolWorker
 from tests.worker.test_engine import prompts_of
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig

@@ -89,8 +89,7 @@ def warm() -> None:
 @pytest.mark.parametrize("so", VALID + INVALID, ids=lambda d: next(iter(d)))
 def test_compile_that_finished_before_registration_does_not_hang(so: dict[str, Any], warm: None) -> None:
     c = StructuredCompiler.from_vocab(VOCAB, [EOS])
-    c._pool.shutdown()
-    c._pool = InlineExecutor()  # type: ignore[assignment]  # the worst ordering, made certain
+    c._dispatch = InlineExecutor()  # the worst ordering, made certain
     first = _in_thread(lambda: c.compile(_params(so)))
     second = _in_thread(lambda: c.compile(_params(VALID[1])))  # the next constrained request
     assert second[0] == "ok"
@@ -109,9 +108,8 @@ def test_any_completion_order_resolves_every_caller(keys: list[int], seed: int, 
     the valid keys, nothing stays pending."""
     rng = random.Random(seed)
     c = StructuredCompiler.from_vocab(VOCAB, [EOS], timeout_s=JOIN_S)
-    c._pool.shutdown()
     gate = GatedExecutor()
-    c._pool = gate  # type: ignore[assignment]
+    c._dispatch = gate
     specs = VALID + INVALID
     results: dict[int, tuple[str, object]] = {}
     threads = []

@@ -1,5 +1,5 @@
 """Issue 8 on the engine, offline (LLM / LLMEngine / AsyncEngine), real tiny model (vocab 3000):
-a validated value never crashes a step, a fault stays with its request, numerics per SPEC §2.4."""
+a validated value never crashes a step, a fault stays with its request, numerics per docs/sampling.md "The nine steps"."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import pytest
+
 from tests.fixtures.seed_processors import DummyLogitsProcessor, RaisingLogitsProcessor
 from tests.worker.fault_processors import (
     ArmedUpdateStateProcessor,
@@ -133,8 +134,12 @@ def test_logit_bias_1e308_forces_the_token(tiny_model):
         c = llm.generate([prompt], SamplingParams(logit_bias={67: 1e308}, max_tokens=4, ignore_eos=True, **extra))
         assert c[0].outputs[0].token_ids == [67] * 4
     # Banned by allowed_token_ids: -inf + a huge bias stays -inf (never NaN).
-    c = llm.generate([prompt], SamplingParams(logit_bias={67: 1e308}, allowed_token_ids=[5, 6], temperature=0.0,
-                                              max_tokens=3, ignore_eos=True))[0].outputs[0]
+    c = llm.generate(
+        [prompt],
+        SamplingParams(
+            logit_bias={67: 1e308}, allowed_token_ids=[5, 6], temperature=0.0, max_tokens=3, ignore_eos=True
+        ),
+    )[0].outputs[0]
     assert c.finish_reason == "length" and set(c.token_ids) <= {5, 6}
 
 
@@ -142,14 +147,22 @@ def test_processed_logprobs_with_allowed_ids_are_finite(tiny_model):
     llm = make_llm(tiny_model)
     prompt = prompts_of(tiny_model, 1, seed=84)[0]
     for temperature in (0.0, 1.0):
-        c = llm.generate([prompt], SamplingParams(
-            allowed_token_ids=[5, 6], logprobs=3, logprobs_mode="processed_logprobs", temperature=temperature,
-            max_tokens=4, ignore_eos=True, seed=1,
-        ))[0].outputs[0]
+        c = llm.generate(
+            [prompt],
+            SamplingParams(
+                allowed_token_ids=[5, 6],
+                logprobs=3,
+                logprobs_mode="processed_logprobs",
+                temperature=temperature,
+                max_tokens=4,
+                ignore_eos=True,
+                seed=1,
+            ),
+        )[0].outputs[0]
         assert c.finish_reason == "length"
         values = [lp.logprob for pos in c.logprobs for lp in pos.values()]
         assert LOGPROB_FLOOR in values and all(LOGPROB_FLOOR <= v <= 0.0 for v in values)
-        json.dumps(values + [c.cumulative_logprob], allow_nan=False)
+        json.dumps([*values, c.cumulative_logprob], allow_nan=False)
 
 
 # -- +inf forces a token ---------------------------------------------------------------------------
@@ -161,11 +174,13 @@ def test_plus_inf_forces_a_token_greedy_and_random(tiny_model):
     force = {"force": [700, 33, 2100]}
     greedy = llm.generate([prompt], SamplingParams(extra_args=force, **GREEDY))[0].outputs[0]
     assert greedy.token_ids == [33] * 8
-    drawn = llm.generate([prompt], SamplingParams(extra_args=force, temperature=1.0, max_tokens=16,
-                                                  ignore_eos=True, seed=9))[0].outputs[0]
+    drawn = llm.generate(
+        [prompt], SamplingParams(extra_args=force, temperature=1.0, max_tokens=16, ignore_eos=True, seed=9)
+    )[0].outputs[0]
     assert drawn.finish_reason == "length" and set(drawn.token_ids) == {33, 700, 2100}
-    again = llm.generate([prompt], SamplingParams(extra_args=force, temperature=1.0, max_tokens=16,
-                                                  ignore_eos=True, seed=9))[0].outputs[0]
+    again = llm.generate(
+        [prompt], SamplingParams(extra_args=force, temperature=1.0, max_tokens=16, ignore_eos=True, seed=9)
+    )[0].outputs[0]
     assert again.token_ids == drawn.token_ids
 
 
@@ -185,8 +200,9 @@ def _bystanders(loaded):
 
 def _run_with_culprits(loaded, processors, culprit_args: list[dict], join_at: int = 3) -> tuple[dict, LLMEngine]:
     """Bystanders start; after ``join_at`` steps the culprits join mid-flight; run to the end."""
-    engine = LLMEngine(EngineConfig(max_num_seqs=8, load_entry_points=False, logits_processors=tuple(processors)),
-                       loaded=loaded)
+    engine = LLMEngine(
+        EngineConfig(max_num_seqs=8, load_entry_points=False, logits_processors=tuple(processors)), loaded=loaded
+    )
     prompts, params = _bystanders(loaded)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"b{i}", p, sp)
@@ -297,8 +313,10 @@ def test_forward_failure_fails_its_rows_and_the_engine_goes_on(tiny_model):
 
 def test_a_fault_no_replay_reproduces_fails_the_step_and_the_engine_goes_on(tiny_model):
     """No row can be blamed: the rows of that step fail (as before isolation existed)."""
-    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False,
-                                    logits_processors=(FlakyApplyProcessor,)), loaded=tiny_model)
+    engine = LLMEngine(
+        EngineConfig(max_num_seqs=4, load_entry_points=False, logits_processors=(FlakyApplyProcessor,)),
+        loaded=tiny_model,
+    )
     prompts = prompts_of(tiny_model, 2, seed=93)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(**GREEDY))
@@ -362,8 +380,10 @@ def test_a_row_whose_detokenizer_breaks_fails_alone(tiny_model):
 
 def test_async_engine_stays_healthy_after_faults(tiny_model):
     async def main():
-        engine = AsyncEngine(EngineConfig(max_num_seqs=8, load_entry_points=False,
-                                          logits_processors=(DummyLogitsProcessor,)), loaded=tiny_model)
+        engine = AsyncEngine(
+            EngineConfig(max_num_seqs=8, load_entry_points=False, logits_processors=(DummyLogitsProcessor,)),
+            loaded=tiny_model,
+        )
         prompts = prompts_of(tiny_model, 3, seed=91)
 
         async def run(rid, prompt, params):
@@ -373,11 +393,16 @@ def test_async_engine_stays_healthy_after_faults(tiny_model):
             return last.outputs[0]
 
         innocent = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-        results = await asyncio.wait_for(asyncio.gather(
-            run("innocent", prompts[0], innocent),
-            *(run(f"bad{i}", prompts[1], SamplingParams(extra_args={"target_token": 5000}, **GREEDY))
-              for i in range(3)),
-        ), 120)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                run("innocent", prompts[0], innocent),
+                *(
+                    run(f"bad{i}", prompts[1], SamplingParams(extra_args={"target_token": 5000}, **GREEDY))
+                    for i in range(3)
+                ),
+            ),
+            120,
+        )
         assert results[0].finish_reason == "length"
         assert results[0].token_ids == solo(tiny_model, prompts[0], innocent)
         assert all(r.finish_reason == "error" and "IndexError" in r.error for r in results[1:])
@@ -399,7 +424,7 @@ def test_engine_is_dead_only_when_it_cannot_rebuild(tiny_model):
         def broken():
             raise RuntimeError("cannot rebuild")
 
-        engine.engine.scheduler.schedule = lambda: broken()
+        engine.engine.scheduler.schedule = broken
         engine.engine._build_batch_state = broken
         with pytest.raises(EngineDeadError):
             async for _ in engine.generate("r", prompt, SamplingParams(**GREEDY)):

@@ -16,12 +16,19 @@ import torch
 
 from tests.worker.test_engine import hf_greedy
 from tests.worker.test_paged_engine import _engine, _run
-from worker import attention_cascade
-from worker.models import LoadedModel, load_model
+from worker.model import cascade as attention_cascade
+from worker.model.loader import LoadedModel, load_model
 from worker.sampling_params import SamplingParams
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
 WINDOW = 12
 
 # family -> (config class name, extra kwargs); every one goes through AutoModelForCausalLM.
@@ -29,17 +36,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {"head_dim": 24}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 32}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "mistral_window": ("MistralConfig", {"sliding_window": WINDOW}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
-    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": WINDOW, "attn_logit_softcapping": 5.0,
-                                "final_logit_softcapping": 30.0}),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": WINDOW,
-                                    "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma2": (
+        "Gemma2Config",
+        {"head_dim": 16, "sliding_window": WINDOW, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0},
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
     "olmo2": ("Olmo2Config", {}),
     "granite": ("GraniteConfig", {}),
     "smollm3": ("SmolLM3Config", {"pad_token_id": 0}),
@@ -82,8 +95,13 @@ def test_family_greedy_equals_generate(family: str, tmp_path, tiny_model: Loaded
     from transformers import AutoModelForCausalLM
 
     eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    oracle = LoadedModel(eager, *[getattr(loaded, f) for f in ("tokenizer", "config", "eos_token_ids", "vocab_size",
-                                                               "max_model_len", "device", "dtype")])
+    oracle = LoadedModel(
+        eager,
+        *[
+            getattr(loaded, f)
+            for f in ("tokenizer", "config", "eos_token_ids", "vocab_size", "max_model_len", "device", "dtype")
+        ],
+    )
     for i, p in enumerate(prompts):
         assert done[f"r{i}"].outputs[0].token_ids == hf_greedy(oracle, p, 10)[0], f"{family} request {i}"
         if i < 2:  # the fallback path on the served model object agrees too

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model, unsupported_reason
+from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model, unsupported_reason
 
 SMALL = {"vocab_size": 600, "hidden_size": 64, "num_layers": 1, "intermediate_size": 128}
 
@@ -137,8 +137,12 @@ def test_load_model_refuses_a_model_outside_the_attention_interface(tmp_path) ->
         (lambda t: t.Qwen3NextConfig(), "linear_attention"),
         (lambda t: t.Llama4TextConfig(), "chunked_attention"),
         (lambda t: t.Qwen2VLConfig(), "multimodal"),
-        (lambda t: t.Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                  "mrope_section": [16, 24, 24]}), "mrope"),
+        (
+            lambda t: t.Qwen2Config(
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [16, 24, 24]}
+            ),
+            "mrope",
+        ),
     ],
 )
 def test_unsupported_reason_names_the_feature(factory, reason: str) -> None:

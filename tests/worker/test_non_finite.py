@@ -1,4 +1,4 @@
-"""SPEC §2.4's non-finite rules in the batched Sampler, against a plain per-row reference:
+"""The non-finite rules (docs/sampling.md "Non-finite values") in the batched Sampler, against a plain per-row reference:
 +inf forces (greedy: lowest id; random: uniform, exactly), all -inf and NaN fail their row alone
 with distinct messages, and rows without a special value are not affected."""
 
@@ -111,8 +111,11 @@ def test_forced_seeded_rows_use_their_own_generator_uniformly() -> None:
 def test_forced_rows_leave_their_neighbours_alone() -> None:
     v = 300
     x = torch.randn(3, v, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(temperature=0.9, seed=1, logprobs=2), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.9, seed=1, logprobs=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+    ]
     alone = sample(params[:1], x[:1])
     x[1, 5] = INF
     x[2, 9] = float("nan")

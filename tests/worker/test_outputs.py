@@ -19,10 +19,16 @@ def delta_streams(draw):
         outs = []
         for i in draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True)) if not last else range(n):
             toks = draw(st.lists(st.integers(0, 50), max_size=3))
-            outs.append(CompletionOutput(
-                i, draw(st.text(max_size=4)), toks, float(-step),
-                [{t: Logprob(-1.0, 1)} for t in toks], "length" if last else None,
-            ))
+            outs.append(
+                CompletionOutput(
+                    i,
+                    draw(st.text(max_size=4)),
+                    toks,
+                    float(-step),
+                    [{t: Logprob(-1.0, 1)} for t in toks],
+                    "length" if last else None,
+                )
+            )
         deltas.append(RequestOutput("r", "p", [1, 2], outs, last))
     return deltas
 
@@ -43,5 +49,6 @@ def test_merging_any_consecutive_deltas_accumulates_the_same(deltas, data):
     for m in merged:
         got = acc.add(m)
     assert got.finished and want.finished
-    assert [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.cumulative_logprob) for c in got.outputs] == \
-        [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.cumulative_logprob) for c in want.outputs]
+    assert [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.cumulative_logprob) for c in got.outputs] == [
+        (c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.cumulative_logprob) for c in want.outputs
+    ]

@@ -20,7 +20,7 @@ from worker.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensL
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
 from worker.outputs import OutputAccumulator, RequestOutput
-from worker.runner import block_bytes
+from worker.model.runner import block_bytes
 from worker.sampling_params import SamplingParams
 
 
@@ -291,7 +291,7 @@ def test_short_soak_frees_every_block_and_keeps_rss_flat(tiny_model) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_greedy_equals_generate_with_preemption(tiny_model_dir) -> None:
-    from worker.models import load_model
+    from worker.model.loader import load_model
 
     loaded = load_model(tiny_model_dir, device="cuda", dtype="float32")
     prompts = _shared_prefix_prompts(loaded, 6, 37, seed=46)

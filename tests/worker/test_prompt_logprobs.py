@@ -19,13 +19,15 @@ from tests.worker.test_paged_engine import _run as run_paged
 from worker.engine import LLMEngine
 from worker.llm import LLM
 from worker.outputs import PositionLogprobs, RequestOutput
-from worker.runner import ScheduledSeq
+from worker.model.runner import ScheduledSeq
 from worker.sampling_params import SamplingParams
 
 ATOL = 1e-4
 
 
-def _run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], stagger: int = 0) -> dict[str, RequestOutput]:
+def _run(
+    engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], stagger: int = 0
+) -> dict[str, RequestOutput]:
     """Step every request to its end; each first delta must carry its prompt logprobs (if asked)."""
     asked = {f"r{i}": p.prompt_logprobs is not None for i, (_, p) in enumerate(requests)}
 
@@ -77,8 +79,10 @@ def assert_matches_reference(loaded, prompt: list[int], got: list[PositionLogpro
 )
 def test_prompt_logprobs_match_reference_under_chunked_prefill(tiny_model, seed: int, budget: int, ks) -> None:
     prompts = prompts_of(tiny_model, len(ks), lo=1, hi=40, seed=seed)
-    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=k))
-            for p, k in zip(prompts, ks)]
+    reqs = [
+        (p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=k))
+        for p, k in zip(prompts, ks)
+    ]
     done = _run(_engine(tiny_model, max_num_batched_tokens=budget), reqs)
     for i, (prompt, k) in enumerate(zip(prompts, ks)):
         out = done[f"r{i}"]
@@ -102,8 +106,10 @@ def test_warm_prefix_cache_still_gives_every_position(tiny_model) -> None:
 
 def test_preemption_recomputes_without_duplicates(tiny_model) -> None:
     prompts = prompts_of(tiny_model, 6, lo=20, hi=50, seed=11)
-    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1 if i % 2 else None))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        (p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1 if i % 2 else None))
+        for i, p in enumerate(prompts)
+    ]
     engine = _engine(tiny_model, blocks=14, block_size=8, max_num_batched_tokens=24)
     done = _run(engine, reqs, stagger=1)
     assert engine.kv_stats()["num_preemptions"] > 0, "the pool must be tight enough to preempt"
@@ -149,15 +155,17 @@ def test_prompt_logprobs_capped_by_max_logprobs() -> None:
 
 def test_runner_returns_prompt_rows_after_sampled_rows(tiny_model) -> None:
     """Two chunks of one prompt and a plain row: sampled rows first, then each seq's prompt rows."""
-    from worker.runner import ModelRunner
+    from worker.model.runner import ModelRunner
 
     prompt, other = prompts_of(tiny_model, 2, lo=20, hi=21, seed=5)
     runner = ModelRunner(tiny_model, num_blocks=16, block_size=8)
     first = runner.execute([ScheduledSeq(list(range(3)), prompt[:12], 0, False, prompt_logits=12)])
-    rest = runner.execute([
-        ScheduledSeq(list(range(3)), prompt[12:], 12, True, prompt_logits=7),
-        ScheduledSeq(list(range(3, 6)), other, 0, True),
-    ])
+    rest = runner.execute(
+        [
+            ScheduledSeq(list(range(3)), prompt[12:], 12, True, prompt_logits=7),
+            ScheduledSeq(list(range(3, 6)), other, 0, True),
+        ]
+    )
     assert first.shape[0] == 12 and rest.shape[0] == 2 + 7
     with torch.inference_mode():
         full = tiny_model.model(torch.tensor([prompt], device=tiny_model.device)).logits[0].float()

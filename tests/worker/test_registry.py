@@ -1,4 +1,4 @@
-"""Loading processors (SPEC §3): FQCN, class objects, real entry points; order; failures."""
+"""Loading processors (docs/sampling.md "Programming model"): FQCN, class objects, real entry points; order; failures."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from worker.logits_processor.builtin import (
 )
 from worker.logits_processor.library import LIBRARY_PROCESSORS
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
-from worker.logits_processor.structured import StructuredOutputsLogitsProcessor
 from worker.logits_processor.registry import (
     ENTRY_POINT_GROUP,
     ProcessorInfo,
@@ -30,6 +29,7 @@ from worker.logits_processor.registry import (
     fqcn_of,
     resolve_processor_class,
 )
+from worker.logits_processor.structured import StructuredOutputsLogitsProcessor
 from worker.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -61,7 +61,9 @@ def _plugins() -> list[type]:
 # -- failures ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["no_colon", "a.b:C:D", ":DummyLogitsProcessor", "tests.fixtures.seed_processors:", ""])
+@pytest.mark.parametrize(
+    "spec", ["no_colon", "a.b:C:D", ":DummyLogitsProcessor", "tests.fixtures.seed_processors:", ""]
+)
 def test_bad_format(spec: str) -> None:
     with pytest.raises(LogitsProcessorLoadError) as info:
         resolve_processor_class(spec)
@@ -81,7 +83,7 @@ def test_module_raising_at_import_chains_the_cause(tmp_path: Path, monkeypatch: 
     (tmp_path / "h1_broken_procs.py").write_text("raise RuntimeError('boom at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "h1_broken_procs", raising=False)
-    with pytest.raises(LogitsProcessorLoadError, match="h1_broken_procs:Proc.*boom at import") as info:
+    with pytest.raises(LogitsProcessorLoadError, match=r"h1_broken_procs:Proc.*boom at import") as info:
         resolve_processor_class("h1_broken_procs:Proc")
     assert isinstance(info.value.__cause__, RuntimeError)
 
@@ -107,7 +109,7 @@ def test_not_a_subclass(spec: Any) -> None:
 
 
 def test_abstract_class_is_rejected() -> None:
-    with pytest.raises(LogitsProcessorLoadError, match="is abstract.*new_req_logits_processor"):
+    with pytest.raises(LogitsProcessorLoadError, match=r"is abstract.*new_req_logits_processor"):
         resolve_processor_class("worker.logits_processor:AdapterLogitsProcessor")
 
 
@@ -126,7 +128,7 @@ class _FailingInit(LogitsProcessor):
 
 
 def test_constructor_failure_names_the_class() -> None:
-    with pytest.raises(LogitsProcessorLoadError, match="test_registry:_FailingInit.*no GPU here") as info:
+    with pytest.raises(LogitsProcessorLoadError, match=r"test_registry:_FailingInit.*no GPU here") as info:
         _build((_FailingInit,))
     assert isinstance(info.value.__cause__, RuntimeError)
 
@@ -214,7 +216,7 @@ def test_entry_points_load_sorted_by_name_and_bad_ones_are_named(
     assert _plugins() == [RaisingLogitsProcessor, DummyLogitsProcessor, WrappedPerReqLogitsProcessor]
 
     (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nbroken = tests.fixtures.seed_processors:Nope\n")
-    with pytest.raises(LogitsProcessorLoadError, match="entry point 'broken'.*has no attribute 'Nope'"):
+    with pytest.raises(LogitsProcessorLoadError, match=r"entry point 'broken'.*has no attribute 'Nope'"):
         _build(entry_points=True)
 
 
@@ -240,7 +242,7 @@ def test_validate_params_lets_a_value_error_through_unchanged() -> None:
     with pytest.raises(ValueError, match="target_token value x is not int") as info:
         procs.validate_params(SamplingParams(extra_args={"target_token": "x"}))
     assert type(info.value) is ValueError
-    with pytest.raises(ValueError, match="^raise_in: must be"):
+    with pytest.raises(ValueError, match=r"^raise_in: must be"):
         procs.validate_params(SamplingParams(extra_args={"raise_in": "never"}))
 
 

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.kv.block_pool import BlockPool
-from worker.models import LoadedModel, load_model
-from worker.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
+from worker.model.loader import LoadedModel, load_model
+from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
 
 ATOL = 2e-4  # float32; batched vs single-request logits differ by ~2e-5 on this model
 TIE_GAP = 1e-4  # greedy picks closer than this may flip with summation order
@@ -151,7 +151,7 @@ def test_greedy_matches_generate_under_churn(tiny_model: LoadedModel) -> None:
     reqs = []
     for i in range(14):
         length, offset = rng.randint(10, 100), rng.randrange(len(corpus) - 100)
-        prompt = [bos] + corpus[offset : offset + length - 1]
+        prompt = [bos, *corpus[offset : offset + length - 1]]
         reqs.append(_Req(prompt, max_new=rng.randint(1, 24), arrival=rng.randint(0, 20) if i > 2 else 0))
     runner = ModelRunner(tiny_model, num_blocks=36, block_size=16, max_model_len=160)
     seen = _run_with_churn(runner, reqs, tiny_model.eos_token_ids, budget=48, rng=rng)
@@ -173,9 +173,7 @@ _seq_shapes = st.lists(
 )
 
 
-def _prefilled(
-    loaded: LoadedModel, contexts: list[list[int]], block_size: int
-) -> tuple[ModelRunner, list[list[int]]]:
+def _prefilled(loaded: LoadedModel, contexts: list[list[int]], block_size: int) -> tuple[ModelRunner, list[list[int]]]:
     per_seq = -(-128 // block_size)
     runner = ModelRunner(loaded, num_blocks=per_seq * len(contexts), block_size=block_size, max_model_len=128)
     order = list(range(runner.num_blocks))[::-1]  # tables not in block order
@@ -321,7 +319,7 @@ def test_a_runner_step_builds_no_transformers_mask(tiny_model: LoadedModel) -> N
     """The attention function masks by itself; an O(T^2) mask per step would be pure waste."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    from worker.attention import ATTENTION_NAME, register_attention
+    from worker.model.attention import ATTENTION_NAME, register_attention
 
     runner = ModelRunner(tiny_model, num_blocks=8, block_size=16, max_model_len=64)
     calls = []

@@ -1,4 +1,4 @@
-"""SamplingParams validation (SPEC §2.5): each rule names the field and the bad value."""
+"""SamplingParams validation (docs/sampling.md "Validation and ranges"): each rule names the field and the bad value."""
 
 from __future__ import annotations
 
@@ -139,9 +139,9 @@ def test_validate_for_model_rejects(kwargs: dict[str, Any], field: str, value: i
 
 
 def test_validate_for_model_accepts_the_last_token_and_the_cap() -> None:
-    SamplingParams(
-        stop_token_ids=[9], allowed_token_ids=[0, 9], logit_bias={9: 1.0}, logprobs=20
-    ).validate_for_model(vocab_size=10)
+    SamplingParams(stop_token_ids=[9], allowed_token_ids=[0, 9], logit_bias={9: 1.0}, logprobs=20).validate_for_model(
+        vocab_size=10
+    )
     SamplingParams(logprobs=5).validate_for_model(vocab_size=10, max_logprobs=5)
     with pytest.raises(ValueError, match=r"^logprobs: must be <= 5, got 6"):
         SamplingParams(logprobs=6).validate_for_model(vocab_size=10, max_logprobs=5)

@@ -10,7 +10,7 @@ import asyncio
 from tests.worker.test_engine import prompts_of
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
-from worker.runner import block_bytes
+from worker.model.runner import block_bytes
 from worker.sampling_params import SamplingParams
 
 BUFFER = 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import re
 
 import pytest
 import torch
@@ -13,7 +14,11 @@ from hypothesis import strategies as st
 
 from worker.logits_processor import BatchUpdate
 from worker.logits_processor.registry import BUILTIN_PROCESSORS
-from worker.logits_processor.structured import StructuredOutputsLogitsProcessor, apply_token_bitmask_, unpack_bitmask
+from worker.logits_processor.structured import (
+    StructuredOutputsLogitsProcessor,
+    apply_token_bitmask_,
+    unpack_bitmask,
+)
 from worker.logits_processor.structured_grammar import StructuredCompiler
 from worker.sampling_params import SamplingParams
 from worker.structured_outputs import StructuredOutputsParams
@@ -145,6 +150,66 @@ def test_invalid_constraint_names_field_and_compiler_message(
     assert needle in str(info.value) and "/project/" not in str(info.value)
 
 
+# Impossible combinations (issue 17, item 11): each a ValueError naming the field (a 400), never a
+# request that fails in generation.
+IMPOSSIBLE = [
+    {"type": "string", "minLength": 5, "maxLength": 2},
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 2}}},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 5, "maxItems": 2},
+    {"type": "integer", "minimum": 5, "maximum": 2},
+    {"type": "number", "exclusiveMinimum": 1, "exclusiveMaximum": 1},
+    {"type": "integer", "minimum": 1, "maximum": 2, "multipleOf": 3},
+    {"type": "object", "minProperties": 5, "maxProperties": 2},
+    {"type": "object", "properties": {"a": {}}, "required": ["a"], "maxProperties": 0},
+    {"enum": []},
+    {"type": "string", "pattern": "a{5,2}"},
+]
+
+
+@pytest.mark.parametrize("schema", IMPOSSIBLE, ids=lambda s: json.dumps(s)[:40])
+@pytest.mark.parametrize("source", ["structured_outputs", "response_format.json_schema.schema"])
+def test_impossible_schema_is_a_value_error_naming_the_field(compiler: StructuredCompiler, schema: dict,
+                                                             source: str) -> None:
+    field = "structured_outputs.json" if source == "structured_outputs" else source
+    with pytest.raises(ValueError, match=f"^{re.escape(field)}: invalid JSON schema: "):
+        compiler.compile(StructuredOutputsParams(json=schema, source=source))
+
+
+@pytest.fixture(scope="module")
+def byte_compiler() -> StructuredCompiler:
+    """A byte-level vocabulary (every byte its own token), where unsatisfiability can be proven."""
+    return StructuredCompiler.from_vocab([bytes([b]) for b in range(256)] + [b""], [256])
+
+
+@pytest.mark.parametrize(
+    ("so", "satisfiable"),
+    [
+        ({"json": {"type": "string", "pattern": "^\n$"}}, False),  # JSON strings never hold a raw newline
+        ({"json": {"type": "object", "properties": {"a": {"type": "string", "pattern": r"^[\x00-\x08]+$"}},
+                   "required": ["a"], "additionalProperties": False}}, False),
+        ({"json": {"type": "string", "pattern": "^(a|\n)$"}}, True),  # one way out is enough
+        ({"regex": "a\n"}, True),  # a regex is not JSON: a raw newline is output like any byte
+        ({"json": {"const": "\n"}}, True),  # escaped by the JSON grammar
+        ({"grammar": 'root ::= "x" ("y" | "z")*'}, True),
+    ],
+)
+def test_a_constraint_no_output_satisfies_is_a_value_error(byte_compiler: StructuredCompiler, so: dict,
+                                                           satisfiable: bool) -> None:
+    params = StructuredOutputsParams(**so)
+    if satisfiable:
+        assert byte_compiler.compile(params) is not None
+    else:
+        with pytest.raises(ValueError, match=f"^structured_outputs.{params.kind}: invalid JSON schema: no output "
+                                             "satisfies it"):
+            byte_compiler.compile(params)
+
+
+def test_admits_nothing_is_a_proof_or_false() -> None:
+    """A language with no end (``b ::= "c" b``) is not provable in a bounded search: not rejected."""
+    c = StructuredCompiler.from_vocab([bytes([b]) for b in range(256)] + [b""], [256])
+    assert c.compile(StructuredOutputsParams(grammar='root ::= "a" b\nb ::= "c" b')) is not None
+
+
 @pytest.mark.parametrize(
     ("value", "needle"),
     [
@@ -218,3 +283,9 @@ def test_harness_catches_a_matcher_left_behind_by_a_swap(compiler: StructuredCom
 
     with pytest.raises(ConformanceFailure):
         check_processor(IgnoresSwaps, steps=600, vocab_size=V, make_params=make, seed=3)
+
+
+@pytest.mark.parametrize("name", ["guided_choice", "tools[f].function.parameters"])
+def test_shape_errors_name_the_field_the_constraint_came_from(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}: must be a non-empty list"):
+        StructuredOutputsParams.from_dict({"choice": ["a", ""]}, name=name)

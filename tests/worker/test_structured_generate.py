@@ -15,7 +15,7 @@ import pytest
 
 from worker import LLM, SamplingParams
 from worker.logits_processor.structured_grammar import compiler_for
-from worker.models import build_tiny_model, default_model_path
+from worker.model.loader import build_tiny_model, default_model_path
 from worker.structured_outputs import StructuredOutputsParams
 
 N = 50

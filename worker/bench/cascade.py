@@ -3,7 +3,7 @@
 B rows share a prefix of P tokens and own S more each (the 80M peer model's attention shape:
 12 query heads, 4 KV heads, head_dim 64). Both paths run on the same KV pool, interleaved, and
 the median per call is reported; the ratio shows where cascade attention starts to pay
-(``worker.attention_cascade.cascade_pays``).
+(``worker.model.cascade.cascade_pays``).
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import time
 
 import torch
 
-from worker.attention import DecodeRows, StepMetadata, _decode
-from worker.attention_cascade import shared_prefix
-from worker.block_gather import head_major
+from worker.model.attention import DecodeRows, StepMetadata, _decode
+from worker.model.cascade import shared_prefix
+from worker.model.gather import head_major
 
 
-def decode_rows(batch: int, prefix: int, own: int, block_size: int, kv_heads: int, num_blocks: int,
-                cascade: bool) -> DecodeRows:
+def decode_rows(
+    batch: int, prefix: int, own: int, block_size: int, kv_heads: int, num_blocks: int, cascade: bool
+) -> DecodeRows:
     """Rows sharing ``prefix // block_size`` leading blocks, then ``own`` tokens in blocks of their own."""
     shared = prefix // block_size
     own_blocks = -(-own // block_size)
@@ -29,8 +30,9 @@ def decode_rows(batch: int, prefix: int, own: int, block_size: int, kv_heads: in
     table[:, shared:] = shared + torch.randperm(batch * own_blocks)[: batch * own_blocks].view(batch, own_blocks)
     lengths = torch.full((batch,), prefix + own, dtype=torch.long)
     split = shared_prefix(table, lengths, prefix + own, shared, block_size, num_blocks, kv_heads) if cascade else None
-    return DecodeRows(torch.arange(batch), table, head_major(table.view(-1), kv_heads, num_blocks), lengths,
-                      prefix + own, split)
+    return DecodeRows(
+        torch.arange(batch), table, head_major(table.view(-1), kv_heads, num_blocks), lengths, prefix + own, split
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,9 +53,16 @@ def main(argv: list[str] | None = None) -> int:
             k = torch.randn(kv_heads, num_blocks, bs, dim)
             v = torch.randn(kv_heads, num_blocks, bs, dim)
             q = torch.randn(batch, heads, dim)
-            metas = [StepMetadata([k], [v], torch.empty(0, dtype=torch.long),
-                                  decode_rows(batch, prefix, args.own, bs, kv_heads, num_blocks, c), ())
-                     for c in (False, True)]
+            metas = [
+                StepMetadata(
+                    [k],
+                    [v],
+                    torch.empty(0, dtype=torch.long),
+                    decode_rows(batch, prefix, args.own, bs, kv_heads, num_blocks, c),
+                    (),
+                )
+                for c in (False, True)
+            ]
             times: list[list[float]] = [[], []]
             with torch.inference_mode():
                 for _ in range(args.reps):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from worker.bench.peer_model import peer_model_path
-from worker.models import build_tiny_model, default_model_path
+from worker.model.loader import build_tiny_model, default_model_path
 
 HERE = Path(__file__).resolve().parents[2]  # this checkout's root
 

@@ -26,7 +26,7 @@ from worker.bench.peer import PeerWorkload, run_peer, same_tokens
 from worker.bench.peer_model import peer_model_path
 from worker.config import EngineConfig
 from worker.llm import LLM
-from worker.models import LoadedModel, build_tiny_model, default_model_path, load_model
+from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model
 from worker.sampling_params import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """One engine build's uniform workload, for `python -m worker.bench.compare` (run as a script).
 
 Run with PYTHONPATH at any checkout of this project, old or new: it imports only
-``worker.llm.LLM``, ``worker.models.load_model`` and ``worker.sampling_params.SamplingParams``,
+``worker.llm.LLM``, ``worker.model.loader.load_model`` and ``worker.sampling_params.SamplingParams``,
 which every version since the slot engine has. Prints one JSON line:
 ``{"N": {"tok_s": float, "digest": str}}`` (digest: SHA-256 of every output token, in order).
 """
@@ -18,13 +18,18 @@ import torch
 
 def main(spec: dict) -> dict[str, dict]:
     from worker.llm import LLM
-    from worker.models import load_model
+    from worker.model.loader import load_model
     from worker.sampling_params import SamplingParams
 
     torch.set_num_threads(spec["threads"])
     loaded = load_model(spec["model"], dtype="float32")
-    llm = LLM(loaded=loaded, max_num_seqs=max(spec["concurrency"]), max_num_batched_tokens=spec["budget"],
-              max_model_len=spec["max_model_len"], load_entry_points=False)
+    llm = LLM(
+        loaded=loaded,
+        max_num_seqs=max(spec["concurrency"]),
+        max_num_batched_tokens=spec["budget"],
+        max_model_len=spec["max_model_len"],
+        load_entry_points=False,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=spec["new"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([[11] * spec["prompt"]] * 2, warm, use_tqdm=False)
@@ -36,8 +41,10 @@ def main(spec: dict) -> dict[str, dict]:
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        results[str(n)] = {"tok_s": n * spec["new"] / seconds,
-                           "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}
+        results[str(n)] = {
+            "tok_s": n * spec["new"] / seconds,
+            "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
+        }
     return results
 
 

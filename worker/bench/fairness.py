@@ -22,7 +22,7 @@ import torch
 from worker.async_engine import AsyncEngine
 from worker.bench.latency import pct
 from worker.config import EngineConfig
-from worker.models import LoadedModel
+from worker.model.loader import LoadedModel
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 

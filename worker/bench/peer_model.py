@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.models import build_tiny_model, default_model_path
+from worker.model.loader import build_tiny_model, default_model_path
 
 PEER_MODEL_ARGS = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048)
 

@@ -37,8 +37,12 @@ from worker.sampling_params import SamplingParams
 
 # Typical settings of each processor (from their authors' and llama.cpp's defaults).
 ARGS: dict[type[LogitsProcessor], dict[str, Any]] = {
-    DRYLogitsProcessor: {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2,
-                         "dry_sequence_breakers": [[13], [25], [1], [42]]},
+    DRYLogitsProcessor: {
+        "dry_multiplier": 0.8,
+        "dry_base": 1.75,
+        "dry_allowed_length": 2,
+        "dry_sequence_breakers": [[13], [25], [1], [42]],
+    },
     XTCLogitsProcessor: {"xtc_probability": 0.5, "xtc_threshold": 0.1},
     TypicalPLogitsProcessor: {"typical_p": 0.9},
     TopALogitsProcessor: {"top_a": 0.2},
@@ -64,8 +68,9 @@ class Result:
 class _Step:
     """A loaded batch of processors and the untimed work between two steps."""
 
-    def __init__(self, procs: list[LogitsProcessor], extra: dict[str, Any] | None, fraction: float,
-                 b: int, v: int, seed: int) -> None:
+    def __init__(
+        self, procs: list[LogitsProcessor], extra: dict[str, Any] | None, fraction: float, b: int, v: int, seed: int
+    ) -> None:
         rng = random.Random(seed)
         self.rng, self.v, self.procs = rng, v, procs
         enabled = set(rng.sample(range(b), max(1, round(b * fraction)))) if extra and fraction > 0 else set()
@@ -94,8 +99,16 @@ class _Step:
 
 
 def run_case(
-    classes: Sequence[type[LogitsProcessor]], fraction: float, b: int, v: int, *,
-    warmup: int, repeats: int, seed: int, copy_ms: float, rounds: int = 1,
+    classes: Sequence[type[LogitsProcessor]],
+    fraction: float,
+    b: int,
+    v: int,
+    *,
+    warmup: int,
+    repeats: int,
+    seed: int,
+    copy_ms: float,
+    rounds: int = 1,
 ) -> Result:
     """One table row; with ``rounds`` > 1 the lowest of that many medians (shared machines)."""
     cpu = torch.device("cpu")
@@ -114,10 +127,9 @@ def copy_pass_ms(b: int, v: int, warmup: int, repeats: int, rounds: int = 1) -> 
 
 
 def table(results: Sequence[Result], b: int, v: int) -> str:
-    lines = [f"B={b}, V={v}", "| processor | rows enabled | median ms/step | × copy_ pass |", "|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r.name} | {r.fraction:.0%} | {r.ms:.2f} | {r.passes:.2f} |")
-    return "\n".join(lines)
+    head = [f"B={b}, V={v}", "| processor | rows enabled | median ms/step | × copy_ pass |", "|---|---|---|---|"]
+    rows = [f"| {r.name} | {r.fraction:.0%} | {r.ms:.2f} | {r.passes:.2f} |" for r in results]
+    return "\n".join(head + rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,8 +158,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases.append((list(LIBRARY_PROCESSORS), 0.0))
     results = []
     for cls_list, fraction in cases:
-        results.append(run_case(cls_list, fraction, b, v, warmup=args.warmup, repeats=args.repeats, seed=args.seed, copy_ms=copy_ms,
-                               rounds=args.rounds))
+        results.append(
+            run_case(
+                cls_list,
+                fraction,
+                b,
+                v,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                seed=args.seed,
+                copy_ms=copy_ms,
+                rounds=args.rounds,
+            )
+        )
         print(table(results[-1:], b, v).splitlines()[-1], flush=True)
     print()
     print(table(results, b, v))

@@ -7,22 +7,32 @@ walk real states; the step is timed as ``sampler(logits)`` (logits restored unti
 the same step with the same rows unconstrained, and the structured processor's own parts: fill
 (sync + xgrammar mask fill for all rows) and apply (one masked_fill_ over the batch).
 Compile: each schema compiled by a fresh compiler (cold) and again (cached), median of repeats.
+Isolation (``--isolation``): the compile pool's processes' CPU and RSS before, during and after a
+heavy compile that is killed at its bound, and a trivial compile's latency alone against while
+two heavy compiles hold the pool (one runs in the heavy lane, one waits for it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from worker.batch import PersistentBatch
+from worker.logits_processor.grammar_pool import GrammarPool
 from worker.logits_processor.registry import build_logits_processors
-from worker.logits_processor.structured import StructuredOutputsLogitsProcessor, apply_token_bitmask_
+from worker.logits_processor.structured import (
+    StructuredOutputsLogitsProcessor,
+    apply_token_bitmask_,
+)
 from worker.logits_processor.structured_grammar import StructuredCompiler
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
@@ -130,6 +140,91 @@ def compile_costs(tokenizer: Any, vocab_size: int, repeats: int) -> list[tuple[i
     return rows
 
 
+# xgrammar 0.2.8 unrolls a count up to 20000 and compiles this 46-byte schema for minutes.
+HEAVY = {"type": "string", "pattern": "^(a|b){1,19999}$"}
+
+
+@dataclass(frozen=True)
+class Usage:
+    cores: float  # CPU seconds per second over the window, all pool processes together
+    rss_mb: float
+    processes: int
+
+
+def _proc_cpu_rss(pid: int) -> tuple[float, float]:
+    """(CPU seconds, RSS MB) of one process; (0, 0) once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (FileNotFoundError, ProcessLookupError, StopIteration):
+        return 0.0, 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), rss / 1024
+
+
+def pool_usage(pool: GrammarPool, window_s: float = 1.0) -> Usage:
+    pids = pool.stats().pids
+    before = {p: _proc_cpu_rss(p)[0] for p in pids}
+    time.sleep(window_s)
+    after = {p: _proc_cpu_rss(p) for p in pids}
+    cores = sum(max(0.0, cpu - before[p]) for p, (cpu, _) in after.items()) / window_s
+    alive = [rss for _, rss in after.values() if rss > 0]
+    return Usage(cores, sum(alive), len(alive))
+
+
+def _trivial_ms(compiler: StructuredCompiler, tag: str, n: int) -> float:
+    times = []
+    for i in range(n):  # distinct, so each one is a compile, not a cache hit
+        t0 = time.perf_counter()
+        compiler.compile(StructuredOutputsParams(regex=f"{tag}{i}[a-z]+"))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def compile_isolation(tokenizer: Any, vocab_size: int, timeout_s: float, n: int) -> dict[str, Any]:
+    """Usage before / during / after one heavy compile; trivial latency alone and under two heavy."""
+    pool = GrammarPool()
+    c = StructuredCompiler.from_tokenizer(tokenizer, vocab_size, timeout_s=timeout_s, pool=pool)
+    try:
+        alone = _trivial_ms(c, "a", n)
+        idle = pool_usage(pool)
+        heavy = [threading.Thread(target=_expect_error, args=(c, i), daemon=True) for i in range(2)]
+        for t in heavy:
+            t.start()
+        while pool.stats().heavy_running < 1:
+            time.sleep(0.01)
+        during = pool_usage(pool)
+        loaded = _trivial_ms(c, "b", n)
+        for t in heavy:
+            t.join()
+        after = pool_usage(pool)
+        return {"alone_ms": alone, "loaded_ms": loaded, "idle": idle, "during": during, "after": after,
+                "kills": pool.stats().kills}
+    finally:
+        pool.shutdown()
+
+
+def _expect_error(c: StructuredCompiler, i: int) -> None:
+    schema = dict(HEAVY, pattern=HEAVY["pattern"].replace("19999", str(19999 - i)))
+    try:
+        c.compile(StructuredOutputsParams(json=schema))
+    except ValueError:
+        return
+    raise AssertionError("the heavy schema compiled within its bound")
+
+
+def _print_isolation(r: dict[str, Any], timeout_s: float) -> None:
+    print(f"\ncompile isolation: heavy = {json.dumps(HEAVY)} (killed at {timeout_s:g}s); "
+          f"{r['kills']} workers killed at a bound\n")
+    print("| compile pool | cores | RSS MB | processes |\n|---|---|---|---|")
+    for name in ("idle", "during", "after"):
+        u = r[name]
+        print(f"| {name} | {u.cores:.2f} | {u.rss_mb:.0f} | {u.processes} |")
+    print(f"\ntrivial compile (cache miss), median: alone {r['alone_ms']:.1f} ms, while two heavy compiles hold "
+          f"the pool {r['loaded_ms']:.1f} ms (ratio {r['loaded_ms'] / r['alone_ms']:.2f})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="logitpool bench structured", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,11 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5, help="compile repeats per schema")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2 on a busy 2-core box is slower)")
+    ap.add_argument("--isolation", action="store_true", help="also measure the compile pool under heavy compiles")
+    ap.add_argument("--heavy-timeout", type=float, default=5.0, help="the compile bound for --isolation (s)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoTokenizer
 
-    from worker.models import build_tiny_model, default_model_path
+    from worker.model.loader import build_tiny_model, default_model_path
 
     path = args.model or str(build_tiny_model(default_model_path()))
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -163,4 +260,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| schema | compile cold ms | cached ms |\n|---|---|---|")
     for i, cold, warm in compile_costs(tokenizer, vocab_size, args.repeats):
         print(f"| {i} | {cold:.2f} | {warm:.4f} |")
+    if args.isolation:
+        _print_isolation(compile_isolation(tokenizer, vocab_size, args.heavy_timeout, n=9), args.heavy_timeout)
     return 0

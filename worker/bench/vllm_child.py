@@ -21,8 +21,14 @@ def main(spec_path: str, out_path: str) -> None:
 
     with open(spec_path) as f:
         spec = json.load(f)
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", max_num_seqs=spec["max_num_seqs"],
-              max_model_len=spec["max_model_len"], seed=0)
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_num_seqs=spec["max_num_seqs"],
+        max_model_len=spec["max_model_len"],
+        seed=0,
+    )
 
     def params(new: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, detokenize=False)

@@ -19,7 +19,7 @@ class BlockHash:
     def __init__(self, parent: BlockHash | None, tokens: tuple[int, ...]) -> None:
         self.parent = parent
         self.tokens = tokens
-        self.value = hash((None if parent is None else parent.value, tokens))
+        self.value: int = hash((None if parent is None else parent.value, tokens))
 
     def __hash__(self) -> int:
         return self.value

@@ -1,4 +1,4 @@
-"""The logits-processor programming model (SPEC §2): vLLM v1's names, so ports change imports only.
+"""The logits-processor programming model (docs/sampling.md "Programming model"): vLLM v1's names, so ports change imports only.
 
 The interface, adapter, row-state helper and errors import eagerly. The loading machinery and
 built-in processors (``registry``, ``builtin``, ``penalties``) import on first use, so the

@@ -1,4 +1,4 @@
-"""The built-in processors, written on the same programming model as custom ones (SPEC §2.3-2.4).
+"""The built-in processors, written on the same programming model as custom ones (docs/sampling.md "Built-in processors").
 
 Each keeps per-request settings in a ``RowStates`` (only rows that enabled it), rebuilds its
 dense device tensors only when those rows changed (or the vocabulary width did), stages host
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -55,7 +56,7 @@ class _SparseRows(LogitsProcessor, Generic[T]):
             self._rebuild(vocab_size)
             self._built_for = vocab_size
 
-    def _stage(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+    def _stage(self, values: Sequence[int] | Sequence[float] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return stage(values, dtype, self.device, self.is_pin_memory)
 
     def is_argmax_invariant(self) -> bool:

@@ -1,4 +1,4 @@
-"""The batch-level logits-processor programming model (SPEC §2), vLLM v1's names and signatures.
+"""The batch-level logits-processor programming model (docs/sampling.md "Programming model"), vLLM v1's names and signatures.
 
 A processor written for vLLM ports by changing its imports.
 """
@@ -9,15 +9,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
+from pydantic import BaseModel
 
 from worker.logits_processor.schema import parse_extra_args
 from worker.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # the worker's config object; processors receive it untyped on purpose
-    pass
 
 
 class MoveDirectionality(Enum):
@@ -62,10 +60,12 @@ class LogitsProcessor(ABC):
     checking off while the processor is loaded.
     """
 
-    extra_args_model: ClassVar[Any] = None  # type[pydantic.BaseModel] | None
-    extra_args_schema: ClassVar[dict[str, Any] | None] = None
+    extra_args_model: ClassVar[type[BaseModel] | None] = None
+    extra_args_schema: ClassVar[dict[str, Any] | None] = None  # JSON
     extra_args_keys: ClassVar[tuple[str, ...] | None] = None
 
+    # ``config``: the host's config object (vLLM's VllmConfig there, the worker's EngineConfig here,
+    # None in tests), untyped on purpose so a vLLM processor ports as is; read it with getattr.
     @abstractmethod
     def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
         raise NotImplementedError

@@ -1,4 +1,4 @@
-"""Step 6: repetition, frequency and presence penalties as a processor (SPEC §2.4).
+"""Step 6: repetition, frequency and presence penalties as a processor (docs/sampling.md "The nine steps").
 
 Repetition divides positive logits by ``r`` (multiplies the others) over every token the row
 has seen, prompt or output; then frequency and presence subtract over OUTPUT tokens only:
@@ -50,7 +50,7 @@ class PenaltiesLogitsProcessor(_SparseRows[_Penalties]):
         self._rows = self._stage([r for r, _ in items], torch.int64)
         # Clamped into float32's positive finite range: 1e-300 would round to 0 (and -inf * 0 is
         # NaN), 1e300 to inf (0 * inf is NaN). A clamped tiny penalty may still overflow x / r to
-        # +inf, which the sampler treats as forcing those tokens (SPEC §2.4).
+        # +inf, which the sampler treats as forcing those tokens (docs/sampling.md "The nine steps").
         f32 = torch.finfo(torch.float32)
         self._rep = self._stage([min(max(s.repetition, f32.tiny), f32.max) for _, s in items], torch.float32)
         self._freq = self._stage([s.frequency for _, s in items], torch.float32)

@@ -1,7 +1,7 @@
-"""Loading the worker's logits processors at start-up (SPEC §3) and the loaded set.
+"""Loading the worker's logits processors at start-up (docs/sampling.md "Programming model") and the loaded set.
 
 Order is the pipeline order: the built-ins (AllowedTokenIds, BadWords, MinTokens, LogitBias,
-StructuredOutputs, MinP: SPEC §2.4 steps 3-5, 7b), then every entry point of group ``logitpool.logits_processors``
+StructuredOutputs, MinP: docs/sampling.md "The nine steps" steps 3-5, 7b), then every entry point of group ``logitpool.logits_processors``
 sorted by name, then the configured ``custom`` ones (FQCN strings or classes) in order. A class
 listed twice loads once, at its first position. Penalties are loaded too but kept apart: the
 sampler applies them at step 6, not through the generic lists.
@@ -25,7 +25,7 @@ import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points as _installed_entry_points
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,10 +45,14 @@ from worker.sampling_params import SamplingParams
 
 ENTRY_POINT_GROUP = "logitpool.logits_processors"
 
+P = TypeVar("P", bound=LogitsProcessor)
+
+
 def _keys_of(cls: type) -> frozenset[str] | None:
     # Built-ins read no extra_args (declared here, not in builtin.py, so the built-ins stay as written).
     keyless = cls in BUILTIN_PROCESSORS or cls is PenaltiesLogitsProcessor
     return frozenset() if keyless else declared_keys(cls)
+
 
 BUILTIN_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     AllowedTokenIdsLogitsProcessor,
@@ -86,14 +90,14 @@ def resolve_processor_class(spec: str | type) -> type[LogitsProcessor]:
     return obj
 
 
-def _import_fqcn(fqcn: str) -> Any:
+def _import_fqcn(fqcn: str) -> object:
     module_name, sep, attr_path = fqcn.partition(":")
     if not sep or ":" in attr_path or not module_name or not attr_path:
         raise LogitsProcessorLoadError(
             f"logits processor {fqcn!r}: bad format, expected 'dotted.module.path:ClassName' with exactly one ':'"
         )
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: object = importlib.import_module(module_name)
     except Exception as exc:
         raise LogitsProcessorLoadError(
             f"logits processor {fqcn!r}: module {module_name!r} could not be imported ({type(exc).__name__}: {exc})"
@@ -122,7 +126,11 @@ class LogitsProcessors:
     """The loaded, ordered set of processors a worker's sampler runs."""
 
     def __init__(
-        self, processors: Sequence[LogitsProcessor], penalties: PenaltiesLogitsProcessor, *, strict_extra_args: bool = True
+        self,
+        processors: Sequence[LogitsProcessor],
+        penalties: PenaltiesLogitsProcessor,
+        *,
+        strict_extra_args: bool = True,
     ) -> None:
         self.all: list[LogitsProcessor] = list(processors)
         self.penalties = penalties
@@ -131,16 +139,17 @@ class LogitsProcessors:
         self.non_argmax_invariant: list[LogitsProcessor] = [p for p, inv in zip(self.all, invariant) if not inv]
         self._invariant = [*invariant, penalties.is_argmax_invariant()]
         keys = [_keys_of(type(p)) for p in self.every()]
+        declared = [k for k in keys if k is not None]
         # The keys a request may use, or None when they cannot be known (checking is off).
         self.known_extra_args: frozenset[str] | None = (
-            frozenset().union(*keys) if strict_extra_args and all(k is not None for k in keys) else None
+            frozenset[str]().union(*declared) if strict_extra_args and len(declared) == len(keys) else None
         )
 
     def every(self) -> list[LogitsProcessor]:
         """Every loaded processor, penalties last."""
         return [*self.all, self.penalties]
 
-    def fresh(self, config: Any, device: torch.device, is_pin_memory: bool) -> LogitsProcessors:
+    def fresh(self, config: object, device: torch.device, is_pin_memory: bool) -> LogitsProcessors:
         """New instances of the same classes, in the same order, with empty state (no loading)."""
         return LogitsProcessors(
             [_instantiate(type(p), config, device, is_pin_memory) for p in self.all],
@@ -184,13 +193,15 @@ class LogitsProcessors:
         for p, invariant in zip(self.every(), self._invariant):
             cls = type(p)
             keys = _keys_of(cls)
-            out.append(ProcessorInfo(
-                name=cls.__name__,
-                fqcn=fqcn_of(cls),
-                argmax_invariant=invariant,
-                extra_args_keys=None if keys is None else tuple(sorted(keys)),
-                extra_args_schema=json_schema(cls),
-            ))
+            out.append(
+                ProcessorInfo(
+                    name=cls.__name__,
+                    fqcn=fqcn_of(cls),
+                    argmax_invariant=invariant,
+                    extra_args_keys=None if keys is None else tuple(sorted(keys)),
+                    extra_args_schema=json_schema(cls),
+                )
+            )
         return out
 
 
@@ -212,7 +223,7 @@ class ProcessorInfo:
 
 
 def build_logits_processors(
-    config: Any,
+    config: object,
     device: torch.device,
     is_pin_memory: bool,
     custom: Sequence[str | type] = (),
@@ -235,7 +246,7 @@ def build_logits_processors(
     )
 
 
-def _instantiate(cls: type[LogitsProcessor], config: Any, device: torch.device, is_pin_memory: bool) -> LogitsProcessor:
+def _instantiate(cls: type[P], config: object, device: torch.device, is_pin_memory: bool) -> P:
     try:
         return cls(config, device, is_pin_memory)
     except Exception as exc:

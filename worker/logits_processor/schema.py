@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import ErrorDetails
 
 from worker.sampling_params import SamplingParams
 
@@ -74,6 +75,6 @@ def parse_extra_args(cls: type, params: SamplingParams) -> BaseModel | None:
         raise ValueError("; ".join(_message(e) for e in exc.errors(include_url=False))) from None
 
 
-def _message(err: Any) -> str:
+def _message(err: ErrorDetails) -> str:
     where = ".".join(str(p) for p in err.get("loc", ()))
     return f"extra_args.{where}: {err.get('msg', 'invalid')}" if where else f"extra_args: {err.get('msg', 'invalid')}"

@@ -1,6 +1,6 @@
 """Top-p (nucleus) selection, exact, without sorting the vocabulary.
 
-Rule (SPEC §2.4 7c): order tokens by probability descending, equal probabilities by id
+Rule (docs/sampling.md "The nine steps" 7c): order tokens by probability descending, equal probabilities by id
 ascending; keep the shortest prefix whose mass reaches ``p`` times the row's total mass. A
 token is kept iff the mass strictly before it is below that target, so the top token always
 survives and zero-probability tokens never do (for ``p < 1``).

@@ -49,9 +49,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   value: cluster.slow_clients:install
 - name: LOGITPOOL_HTTP_READ_TIMEOUT_S
   value: {{ .Values.limits.read_timeout_s | toString | quote }}
-# Serve's gRPC proxy parses messages up to this size (its default is 2 GiB); cluster/cli.py likewise.
+- name: LOGITPOOL_HTTP_MAX_HEADER_BYTES
+  value: {{ .Values.limits.max_header_bytes | toString | quote }}
+# Serve's gRPC proxy receives and sends messages up to this size (its default is 2 GiB);
+# limits.max_grpc_message_bytes, which `logitpool serve` sets likewise (cluster/cli/launch.py).
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
-  value: "67108864"
+  value: {{ max .Values.limits.max_grpc_message_bytes .Values.limits.max_body_bytes | int64 | toString | quote }}
 {{- if eq .Values.ray.authMode "disabled" }}
 # Ray >= 2.60 turns token auth on by default for a fresh cluster; say "disabled" explicitly.
 - name: RAY_AUTH_MODE
@@ -91,7 +94,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/*
-The Serve config (RayService serveConfigV2). It must equal cluster.serve_config.serve_config()
+The Serve config (RayService serveConfigV2). It must equal cluster.deploy.serve_config.serve_config()
 of the equivalent LogitpoolConfig: tests/deploy/test_helm_chart.py compares the two.
 */}}
 {{- define "logitpool.serveConfig" -}}
@@ -170,7 +173,7 @@ applications:
         {{- end }}
         max_ongoing_requests: {{ $workerOngoing | toJson }}
         max_queued_requests: {{ $w.maxQueuedRequests | toJson }}
-        # cluster/serve_config.py HEALTH_CHECK_*: a dead engine is replaced within seconds.
+        # cluster/deploy/serve_config.py HEALTH_CHECK_*: a dead engine is replaced within seconds.
         health_check_period_s: 2.0
         health_check_timeout_s: 5.0
         ray_actor_options:

@@ -12,7 +12,9 @@ from worker.sampling_params import SamplingParams
 CPU = torch.device("cpu")
 
 
-def add_all(proc: LogitsProcessor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]) -> None:
+def add_all(
+    proc: LogitsProcessor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> None:
     added = [(i, p, prompts[i], outputs[i]) for i, p in enumerate(params)]
     proc.update_state(BatchUpdate(batch_size=len(params), removed=[], moved=[], added=added))
 

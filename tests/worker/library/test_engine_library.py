@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker.test_engine import make_llm, prompts_of
 from tests.worker.library import references as ref
+from tests.worker.test_engine import make_llm, prompts_of
 from worker import SamplingParams
 from worker.logits_processor.library import LIBRARY_PROCESSORS
 
@@ -17,7 +17,10 @@ def test_every_library_processor_loads_through_its_entry_point(tiny_model) -> No
     assert set(LIBRARY_PROCESSORS) <= loaded
     invariant = {type(p) for p in llm.engine.processors.argmax_invariant}
     assert {c.__name__ for c in LIBRARY_PROCESSORS if c in invariant} == {
-        "TopALogitsProcessor", "EpsilonLogitsProcessor", "EtaLogitsProcessor", "MirostatLogitsProcessor",
+        "TopALogitsProcessor",
+        "EpsilonLogitsProcessor",
+        "EtaLogitsProcessor",
+        "MirostatLogitsProcessor",
     }
 
 
@@ -31,10 +34,16 @@ def test_no_repeat_ngram_in_an_all_greedy_batch_equals_transformers(tiny_model) 
         ids = torch.tensor([prompt], device=tiny_model.device)
         with torch.inference_mode():
             hf = tiny_model.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                no_repeat_ngram_size=2, eos_token_id=None, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                no_repeat_ngram_size=2,
+                eos_token_id=None,
+                pad_token_id=0,
             )
-        assert out.outputs[0].token_ids == hf[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == hf[0, len(prompt) :].tolist()
 
 
 def test_dry_keeps_a_greedy_request_from_extending_a_repeat(tiny_model) -> None:
@@ -66,7 +75,10 @@ def test_sampled_library_requests_run_and_are_reproducible_when_seeded(tiny_mode
         {"mirostat": 2, "mirostat_tau": 3.0},
         {"dry_multiplier": 0.8, "no_repeat_ngram_size": 3},
     ]
-    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=6, ignore_eos=True, extra_args=e) for i, e in enumerate(extras)]
+    params = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=6, ignore_eos=True, extra_args=e)
+        for i, e in enumerate(extras)
+    ]
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     assert together == alone
@@ -80,4 +92,11 @@ def test_unknown_extra_args_key_is_rejected_naming_the_known_ones(tiny_model) ->
     with pytest.raises(ValueError, match=r"extra_args\.typical_p"):
         llm.generate([[5, 6]], SamplingParams(extra_args={"typical_p": 1.5}))
     lax = make_llm(tiny_model, load_entry_points=True, strict_extra_args=False)
-    assert len(lax.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True, extra_args={"xtc_treshold": 0.1}))[0].outputs[0].token_ids) == 2
+    assert (
+        len(
+            lax.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True, extra_args={"xtc_treshold": 0.1}))[0]
+            .outputs[0]
+            .token_ids
+        )
+        == 2
+    )

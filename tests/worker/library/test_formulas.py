@@ -105,8 +105,13 @@ def test_dry_matches_llama_cpp(rows: list[tuple[list[int], list[int], dict]], se
     out = apply_once(DRYLogitsProcessor, params, logits, [p for p, _, _ in rows], [o for _, o, _ in rows])
     for i, (prompt, output, a) in enumerate(rows):
         expected = ref.dry(
-            logits[i], prompt + output, a["dry_multiplier"], a["dry_base"], a["dry_allowed_length"],
-            a["dry_penalty_last_n"], a["dry_sequence_breakers"],
+            logits[i],
+            prompt + output,
+            a["dry_multiplier"],
+            a["dry_base"],
+            a["dry_allowed_length"],
+            a["dry_penalty_last_n"],
+            a["dry_sequence_breakers"],
         )
         _same(out[i], expected)
 
@@ -124,8 +129,13 @@ def test_dry_stays_exact_as_the_output_grows(prompt: list[int], tokens: list[int
         logits = random_logits(seed + step, 1, V)
         got = proc.apply(logits.clone())
         expected = ref.dry(
-            logits[0], prompt + output, args["dry_multiplier"], args["dry_base"], args["dry_allowed_length"],
-            args["dry_penalty_last_n"], args["dry_sequence_breakers"],
+            logits[0],
+            prompt + output,
+            args["dry_multiplier"],
+            args["dry_base"],
+            args["dry_allowed_length"],
+            args["dry_penalty_last_n"],
+            args["dry_sequence_breakers"],
         )
         _same(got[0], expected)
         proc.update_state(None)

@@ -41,7 +41,7 @@ def test_xtc_seeded_rows_match_llama_cpp(rows: list[tuple[float, float, int]], s
         logits = random_logits(seed + step, len(rows), V, scale=2.0)
         out = proc.apply(logits.clone())
         for i, (t, p, _) in enumerate(rows):
-            chance = torch.rand(1, dtype=torch.float64, generator=coins[i]).item() if 0 < p and t <= 0.5 else 1.0
+            chance = torch.rand(1, dtype=torch.float64, generator=coins[i]).item() if p > 0 and t <= 0.5 else 1.0
             torch.testing.assert_close(out[i], ref.xtc(logits[i], t, p, chance), rtol=0, atol=0)
 
 
@@ -96,7 +96,10 @@ def test_mirostat_v2_follows_llama_cpp_step_by_step(rows: list[tuple[float, floa
     rng = random.Random(seed)
     proc = MirostatLogitsProcessor(None, CPU, False)
     outputs: list[list[int]] = [[] for _ in rows]
-    params = [SamplingParams(temperature=0.8, extra_args={"mirostat": 2, "mirostat_tau": t, "mirostat_eta": e}) for t, e in rows]
+    params = [
+        SamplingParams(temperature=0.8, extra_args={"mirostat": 2, "mirostat_tau": t, "mirostat_eta": e})
+        for t, e in rows
+    ]
     add_all(proc, params, [[] for _ in rows], outputs)
     mu = [2 * t for t, _ in rows]
     for step in range(6):

@@ -139,8 +139,10 @@ def test_published_schema_is_valid_json_schema_that_agrees_with_validation(cls: 
 
 
 def test_dry_breakers_schema_lists_token_sequences() -> None:
-    props = json_schema(DRYLogitsProcessor)["properties"]  # type: ignore[index]
-    jsonschema.validate({"dry_multiplier": 0.8, "dry_sequence_breakers": [[13], [25, 26]]}, json_schema(DRYLogitsProcessor))
+    schema = json_schema(DRYLogitsProcessor)
+    assert schema is not None
+    props = schema["properties"]
+    jsonschema.validate({"dry_multiplier": 0.8, "dry_sequence_breakers": [[13], [25, 26]]}, schema)
     assert props["dry_sequence_breakers"]["type"] == "array"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from tests.worker.sampler_reference import chi2_pvalue as _chi2_pvalue
 from worker.ops.draw import draw_rows, draw_weights, uniforms
 

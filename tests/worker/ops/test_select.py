@@ -6,8 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.worker.sampler_reference import logit_rows
-from tests.worker.sampler_reference import order
+from tests.worker.sampler_reference import logit_rows, order
 from worker.ops.blocks import block_reduce, gather_blocks
 from worker.ops.select import ambiguous, exact_topk, row_argmax, topk_candidates
 

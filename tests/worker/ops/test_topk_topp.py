@@ -6,8 +6,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tests.worker.sampler_reference import logit_rows
-from tests.worker.sampler_reference import order, top_p_kept, top_p_margin
+from tests.worker.sampler_reference import logit_rows, order, top_p_kept, top_p_margin
 from worker.ops.topk_topp import top_p_histogram_, top_p_keep, top_p_probe
 from worker.ops.workspace import Workspace
 
@@ -48,7 +47,7 @@ def test_probe_hits_are_exact(data: st.DataObject, v: int, p: float) -> None:
         assume(top_p_margin(x[r], p) > 1e-5)
     probs = _probs(x)
     totals = probs.double().sum(-1)
-    ids, vals, keep, hit = top_p_probe(probs, torch.full((3,), p, dtype=torch.float64), totals)
+    ids, _vals, keep, hit = top_p_probe(probs, torch.full((3,), p, dtype=torch.float64), totals)
     for r in range(3):
         kept = top_p_kept(x[r], p)
         if hit[r]:

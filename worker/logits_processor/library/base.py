@@ -10,21 +10,22 @@ returns at once.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 
 from worker.logits_processor.builtin import _SparseRows
-from worker.logits_processor.schema import parse_extra_args
+from worker.logits_processor.schema import ExtraArgs, parse_extra_args
 from worker.ops.workspace import Workspace
 from worker.sampling_params import SamplingParams
 
-T = TypeVar("T")
+T = TypeVar("T")  # a row's state
+A = TypeVar("A", bound=ExtraArgs)  # the processor's extra_args_model
 NEG_INF = float("-inf")
 
 
-class LibraryProcessor(_SparseRows[T], Generic[T]):
-    """A processor enabled per request by its ``extra_args_model`` keys."""
+class LibraryProcessor(_SparseRows[T], Generic[T, A]):
+    """A processor enabled per request by its ``extra_args_model`` (``A``) keys; ``T``: a row's state."""
 
     # Greedy requests ask for the top token: samplers (XTC, typical-p, ...) leave them alone;
     # penalties (DRY, no-repeat-ngram) act on them too.
@@ -38,11 +39,12 @@ class LibraryProcessor(_SparseRows[T], Generic[T]):
     def _state(self, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> T | None:
         if params.is_greedy and not self.acts_on_greedy:
             return None
-        args = parse_extra_args(type(self), params)
+        # parse_extra_args builds this class's own extra_args_model, which is A.
+        args = cast("A | None", parse_extra_args(type(self), params))
         return None if args is None else self._row_state(args, params, prompt_ids, output_ids)
 
     def _row_state(
-        self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+        self, args: A, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
     ) -> T | None:
         """The row's state from its validated args, or None when the args leave it off."""
         raise NotImplementedError

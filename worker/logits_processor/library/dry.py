@@ -20,7 +20,7 @@ BatchUpdate moves never touch the buffers. Not argmax-invariant (step 5); acts o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import torch
@@ -70,8 +70,10 @@ class _Row:
         """Track the latest-starting breaker among those ending at ``end``."""
         for b in self.by_last.get(self.token(end), ()):
             start = end - len(b) + 1
-            if start >= 0 and (start, len(b)) > self.breaker and all(
-                self.token(start + i) == b[i] for i in range(len(b) - 1)
+            if (
+                start >= 0
+                and (start, len(b)) > self.breaker
+                and all(self.token(start + i) == b[i] for i in range(len(b) - 1))
             ):
                 self.breaker = (start, len(b))
 
@@ -105,7 +107,7 @@ def suffix_matches(text: list[int]) -> list[int]:
     return [z[n - 1 - j] if j < n - 1 else 0 for j in range(n)]
 
 
-class DRYLogitsProcessor(LibraryProcessor[_Row]):
+class DRYLogitsProcessor(LibraryProcessor[_Row, DRYArgs]):
     """``extra_args={"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2}``."""
 
     extra_args_model = DRYArgs
@@ -118,7 +120,9 @@ class DRYLogitsProcessor(LibraryProcessor[_Row]):
         self._free: list[int] = []
         self._slots = 0
 
-    def _row_state(self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
+    def _row_state(
+        self, args: DRYArgs, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> _Row | None:
         if args.dry_multiplier == 0.0 or args.dry_penalty_last_n == 0:
             return None
         by_last: dict[int, list[tuple[int, ...]]] = {}
@@ -127,8 +131,15 @@ class DRYLogitsProcessor(LibraryProcessor[_Row]):
         singles = frozenset(b[0] for b in args.dry_sequence_breakers if len(b) == 1)
         slot = self._free.pop() if self._free else self._new_slot()
         return _Row(
-            float(args.dry_multiplier), float(args.dry_base), int(args.dry_allowed_length),
-            int(args.dry_penalty_last_n), by_last, singles, list(prompt_ids or []), output_ids, slot,
+            float(args.dry_multiplier),
+            float(args.dry_base),
+            int(args.dry_allowed_length),
+            int(args.dry_penalty_last_n),
+            by_last,
+            singles,
+            list(prompt_ids or []),
+            output_ids,
+            slot,
         )
 
     def _new_slot(self) -> int:
@@ -158,12 +169,12 @@ class DRYLogitsProcessor(LibraryProcessor[_Row]):
         self._fit(max(s.total() for s in rows))
         for s in rows:
             if s.done == 0 and s.total():  # first step: the whole text at once
-                text = [s.token(i) for i in range(s.total())]
-                self._text[s.slot, : len(text)] = torch.tensor(text, dtype=torch.int64)
-                self._match[s.slot, : len(text)] = torch.tensor(suffix_matches(text), dtype=torch.int32)
-                for end in range(len(text)):
+                tokens = [s.token(i) for i in range(s.total())]
+                self._text[s.slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+                self._match[s.slot, : len(tokens)] = torch.tensor(suffix_matches(tokens), dtype=torch.int32)
+                for end in range(len(tokens)):
                     s.note(end)
-                s.done = len(text)
+                s.done = len(tokens)
         while behind := [s for s in rows if s.done < s.total()]:  # usually one token, all rows at once
             slots = self._stage([s.slot for s in behind], torch.int64)
             pos = self._stage([s.done for s in behind], torch.int64)

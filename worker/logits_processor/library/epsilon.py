@@ -5,8 +5,6 @@ The row's top token always stays, so it is argmax-invariant: step 7b, after temp
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from pydantic import Field
 
@@ -19,12 +17,14 @@ class EpsilonArgs(ExtraArgs):
     epsilon_cutoff: float = Field(ge=0.0, lt=1.0, description="Drop tokens with p < epsilon_cutoff; 0 = off.")
 
 
-class EpsilonLogitsProcessor(LibraryProcessor[float]):
+class EpsilonLogitsProcessor(LibraryProcessor[float, EpsilonArgs]):
     """``extra_args={"epsilon_cutoff": 3e-4}`` on a sampled request."""
 
     extra_args_model = EpsilonArgs
 
-    def _row_state(self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> float | None:
+    def _row_state(
+        self, args: EpsilonArgs, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> float | None:
         return float(args.epsilon_cutoff) if args.epsilon_cutoff > 0.0 else None
 
     def _rebuild_rows(self, items: list[tuple[int, float]]) -> None:

@@ -7,7 +7,6 @@ always stays, so it is argmax-invariant: step 7b, after temperature.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from pydantic import Field
@@ -21,12 +20,14 @@ class EtaArgs(ExtraArgs):
     eta_cutoff: float = Field(ge=0.0, lt=1.0, description="eta of eta sampling; 0 = off.")
 
 
-class EtaLogitsProcessor(LibraryProcessor[float]):
+class EtaLogitsProcessor(LibraryProcessor[float, EtaArgs]):
     """``extra_args={"eta_cutoff": 3e-4}`` on a sampled request."""
 
     extra_args_model = EtaArgs
 
-    def _row_state(self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> float | None:
+    def _row_state(
+        self, args: EtaArgs, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> float | None:
         return float(args.eta_cutoff) if args.eta_cutoff > 0.0 else None
 
     def _rebuild_rows(self, items: list[tuple[int, float]]) -> None:

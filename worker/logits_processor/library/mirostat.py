@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -42,12 +42,14 @@ class _Row:
     logp: torch.Tensor | None = None  # [V] truncated, renormalised log-probs of that step
 
 
-class MirostatLogitsProcessor(LibraryProcessor[_Row]):
+class MirostatLogitsProcessor(LibraryProcessor[_Row, MirostatArgs]):
     """``extra_args={"mirostat": 2, "mirostat_tau": 5.0, "mirostat_eta": 0.1}`` on a sampled request."""
 
     extra_args_model = MirostatArgs
 
-    def _row_state(self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
+    def _row_state(
+        self, args: MirostatArgs, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> _Row | None:
         if args.mirostat != 2:
             return None
         return _Row(float(args.mirostat_tau), float(args.mirostat_eta), 2.0 * float(args.mirostat_tau), output_ids)

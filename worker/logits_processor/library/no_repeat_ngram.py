@@ -10,7 +10,6 @@ argmax-invariant; it acts on greedy rows too (its classic use), so all-greedy ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from pydantic import Field
@@ -47,13 +46,15 @@ class _Row:
         return self.seen.get(tuple(self.token(i) for i in range(length - self.n + 1, length)), set())
 
 
-class NoRepeatNgramLogitsProcessor(LibraryProcessor[_Row]):
+class NoRepeatNgramLogitsProcessor(LibraryProcessor[_Row, NoRepeatNgramArgs]):
     """``extra_args={"no_repeat_ngram_size": 3}``."""
 
     extra_args_model = NoRepeatNgramArgs
     acts_on_greedy = True
 
-    def _row_state(self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
+    def _row_state(
+        self, args: NoRepeatNgramArgs, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> _Row | None:
         n = int(args.no_repeat_ngram_size)
         return _Row(n, list(prompt_ids or []), output_ids) if n > 0 else None
 

@@ -6,8 +6,6 @@ for ``a <= 1``), so it runs at step 7b after temperature and is skipped for all-
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from pydantic import Field
 
@@ -20,12 +18,14 @@ class TopAArgs(ExtraArgs):
     top_a: float = Field(ge=0.0, le=1.0, description="Drop p < top_a * max_p**2; 0 = off.")
 
 
-class TopALogitsProcessor(LibraryProcessor[float]):
+class TopALogitsProcessor(LibraryProcessor[float, TopAArgs]):
     """``extra_args={"top_a": 0.2}`` on a sampled request."""
 
     extra_args_model = TopAArgs
 
-    def _row_state(self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> float | None:
+    def _row_state(
+        self, args: TopAArgs, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> float | None:
         return float(args.top_a) if args.top_a > 0.0 else None
 
     def _rebuild_rows(self, items: list[tuple[int, float]]) -> None:

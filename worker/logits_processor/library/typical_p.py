@@ -8,8 +8,6 @@ logits before temperature, llama.cpp's place for it. Greedy rows are left alone.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from pydantic import Field
 
@@ -22,12 +20,14 @@ class TypicalPArgs(ExtraArgs):
     typical_p: float = Field(gt=0.0, le=1.0, description="Mass of the locally typical set; 1.0 = off.")
 
 
-class TypicalPLogitsProcessor(LibraryProcessor[float]):
+class TypicalPLogitsProcessor(LibraryProcessor[float, TypicalPArgs]):
     """``extra_args={"typical_p": 0.9}`` on a sampled request."""
 
     extra_args_model = TypicalPArgs
 
-    def _row_state(self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> float | None:
+    def _row_state(
+        self, args: TypicalPArgs, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> float | None:
         return None if args.typical_p >= 1.0 else float(args.typical_p)
 
     def _rebuild_rows(self, items: list[tuple[int, float]]) -> None:

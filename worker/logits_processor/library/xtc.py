@@ -48,7 +48,7 @@ def coin_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(z ^ (z >> 31))
 
 
-class XTCLogitsProcessor(LibraryProcessor[_Row]):
+class XTCLogitsProcessor(LibraryProcessor[_Row, XTCArgs]):
     """``extra_args={"xtc_probability": 0.5, "xtc_threshold": 0.1}`` on a sampled request."""
 
     extra_args_model = XTCArgs
@@ -57,7 +57,9 @@ class XTCLogitsProcessor(LibraryProcessor[_Row]):
         super().__init__(config, device, is_pin_memory)
         self._generator = torch.Generator().manual_seed(int(getattr(config, "seed", 0) or 0))
 
-    def _row_state(self, args: Any, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
+    def _row_state(
+        self, args: XTCArgs, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> _Row | None:
         if args.xtc_probability <= 0.0 or args.xtc_threshold > 0.5:  # > 0.5: never two top choices
             return None
         gen = coin_generator(params.seed) if params.seed is not None else None

@@ -1,0 +1,1 @@
+"""Deploy-file generators: the Serve config and the Helm values schema."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP wing: routes, the adapter, wire helpers, protocol models."""

@@ -1,0 +1,313 @@
+"""The OpenAI-compatible HTTP side of the front end: bytes in, JSON / server-sent events out.
+
+Holds a `Frontend` and does only what is HTTP's: reading the body within the limits, parsing
+it into the protocol's models, and rendering responses, stream chunks and errors (whose JSON is
+built in one place, cluster.openai.routes.status_response / error_body). Routes: cluster.openai.routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cluster import limits as request_limits
+from cluster import pool_stats
+from cluster.errors import classify, error_body
+from cluster.frontend import Frontend
+from cluster.openai.wire import (
+    StreamedJSONResponse,
+    StrictJSONResponse,
+    charset,
+    is_json,
+    json_chunks,
+    sse,
+    status_response,
+)
+from cluster.limits import (
+    ONCE,
+    PayloadTooLarge,
+    RequestTimeout,
+    ResponseShape,
+    UnsupportedMediaType,
+    response_logprobs,
+)
+from cluster.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Echo,
+    after_echo,
+    chat_choices,
+    chat_chunk,
+    chat_head,
+    chat_response,
+    chat_tail,
+    completion_choices,
+    completion_chunk,
+    completion_head,
+    completion_response,
+    completion_usage,
+    echoed,
+    new_id,
+    now,
+    usage,
+    usage_chunk,
+)
+from worker.outputs import RequestOutput
+from worker.request import Scheduling
+from worker.sampling_params import SamplingParams
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+DONE = "data: [DONE]\n\n"
+# A response that may carry more logprob entries than this, or more choices, is written in
+# pieces as it is encoded (cluster.openai.wire.json_chunks), never held whole next to its objects.
+STREAM_ABOVE_LOGPROBS = 1 << 14
+STREAM_ABOVE_CHOICES = 64
+
+
+class HttpAdapter:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    def error(self, exc: BaseException) -> JSONResponse:
+        status = classify(exc)
+        self.frontend.count_error(status, "http")
+        return status_response(status)
+
+    def _error_event(self, exc: BaseException) -> list[str]:
+        """A stream that fails mid-way: an error event, then still `[DONE]`."""
+        status = classify(exc)
+        self.frontend.count_error(status, "http")
+        return [sse(error_body(status)), DONE]
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, bounded in size (limits.max_body_bytes) and in time (limits.read_timeout_s)."""
+        limits = self.frontend.limits
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not is_json(content_type):
+            raise UnsupportedMediaType(f"content-type: {content_type[:64]!r} is not supported, send application/json")
+        encoding = charset(content_type or "")
+        if encoding not in (None, "utf-8", "utf8"):
+            raise UnsupportedMediaType(f"content-type: charset {encoding[:32]!r} is not supported, JSON is UTF-8")
+        limit = limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"body: {declared} bytes exceeds limits.max_body_bytes ({limit})")
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"body: more than limits.max_body_bytes ({limit}) bytes")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), limits.read_timeout_s)
+        except TimeoutError:
+            raise RequestTimeout(f"body: not received within limits.read_timeout_s ({limits.read_timeout_s}s)") from None
+        return b"".join(chunks)
+
+    async def _parse(self, request: Request, model: type[Body]) -> Body:
+        self.frontend.authorize(request.headers.get("authorization"))
+        body = request_limits.parse_json(self.frontend.limits, await self._read_body(request))
+        if isinstance(body, dict):
+            self.frontend.check_model(body.get("model"))
+        return model.model_validate(body)
+
+    def _scheduling(self, request: Request, rid: str, body: CompletionRequest | ChatCompletionRequest) -> Scheduling:
+        """One group per client request (every prompt of a batch), under its API key's tenant."""
+        return self.frontend.scheduling(request.headers.get("authorization"), rid, body.priority)
+
+    def denied(self, request: Request) -> Response | None:
+        """The 401 response when the API key is missing or wrong, else None."""
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+        except Exception as exc:
+            return self.error(exc)
+        return None
+
+    # -- /v1/completions -------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        fe = self.frontend
+        rid = new_id("cmpl")
+        try:
+            body = await self._parse(request, CompletionRequest)
+            params = body.sampling_params()
+            raw = body.prompts()
+            shape = ResponseShape(prompt_logprobs_per_choice=not body.stream, echo=body.echo)
+            prompts = await fe.prepare(params, raw, shape)
+            sched = self._scheduling(request, rid, body)
+        except Exception as exc:
+            return self.error(exc)
+        if body.stream:
+            return StreamingResponse(self._stream_completions(rid, prompts, params, body, raw, sched),
+                                     media_type="text/event-stream")
+        try:
+            outs = await asyncio.gather(*(fe.run(f"{rid}-{i}", ids, params, sched) for i, ids in enumerate(prompts)))
+        except Exception as exc:
+            return self.error(exc)
+        fe.count_ok("http", outs)
+        echoes = [self._echo(r, ids, out, body) for r, ids, out in zip(raw, prompts, outs)] if body.echo else None
+        args = (fe.decode_token, body.return_token_ids, body.include_stop_str_in_output, echoes)
+        if self._large(params, prompts, shape):
+            choices = completion_choices(outs, *args)
+            return StreamedJSONResponse(json_chunks(completion_head(rid, fe.model_name), "choices", choices,
+                                                    lambda: {"usage": completion_usage(outs, echoes)}))
+        return StrictJSONResponse(completion_response(rid, fe.model_name, list(outs), *args))
+
+    def _large(self, params: SamplingParams, prompts: list[list[int]], shape: ResponseShape = ONCE) -> bool:
+        """Whether a response is written in pieces (STREAM_ABOVE_LOGPROBS / _CHOICES)."""
+        return (len(prompts) * params.n > STREAM_ABOVE_CHOICES
+                or response_logprobs(params, [len(p) for p in prompts], self.frontend.max_model_len, shape)
+                > STREAM_ABOVE_LOGPROBS)
+
+    def _echo(self, raw: str | list[int], ids: list[int], first: RequestOutput, body: CompletionRequest) -> Echo:
+        """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded),
+        its tokens, and the prompt logprobs ``first`` (the request's first output) carries."""
+        text = raw if isinstance(raw, str) else str(self.frontend.tokenizer.decode(raw))
+        return Echo(text, ids, first.prompt_logprobs, body.echo_only)
+
+    async def _stream_completions(
+        self, rid: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest,
+        raw: list[str | list[int]], sched: Scheduling | None = None,
+    ) -> AsyncIterator[str]:
+        fe = self.frontend
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for delta in fe.stream_deltas(f"{rid}-{i}", ids, params, sched):
+                    await queue.put((i, delta))
+                await queue.put((i, None))
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the client stream
+                await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        done, n_tokens, created = 0, 0, now()
+        sent: dict[int, int] = {}  # characters sent per choice index: the next text_offset
+        echoes: dict[int, Echo] = {}  # per prompt, from its first delta (which carries the prompt logprobs)
+        try:
+            while done < len(tasks):
+                i, item = await queue.get()
+                if item is None:
+                    done += 1
+                    continue
+                if isinstance(item, BaseException):
+                    for event in self._error_event(item):
+                        yield event
+                    return
+                if body.echo and i not in echoes:
+                    echoes[i] = self._echo(raw[i], prompts[i], item, body)
+                for c in item.outputs:
+                    index = i * params.n + c.index
+                    n_tokens += 0 if body.echo_only else len(c.token_ids)
+                    if body.echo:  # the prompt comes first, in the choice's first chunk (as vLLM)
+                        c = after_echo(c, echoes[i]) if index in sent else echoed(c, echoes[i])
+                        if index in sent and not c.text and c.finish_reason is None:
+                            continue
+                    chunk = completion_chunk(rid, fe.model_name, c, fe.decode_token, i * params.n, body.return_token_ids,
+                                             created=created, text_offset=sent.get(index, 0),
+                                             include_stop=body.include_stop_str_in_output)
+                    lp = chunk["choices"][0]["logprobs"]
+                    # Offsets run over the tokens' texts, as in the whole response (an echoed
+                    # prompt's special tokens are in them, not in its text).
+                    sent[index] = (lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"]
+                                   else sent.get(index, 0) + len(chunk["choices"][0]["text"]))
+                    yield sse(chunk)
+            if body.include_usage:
+                yield sse(usage_chunk(rid, fe.model_name, "text_completion", usage(sum(map(len, prompts)), n_tokens),
+                                      created=created))
+            fe.count_ok("http", tokens=n_tokens)
+            yield DONE
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- /v1/chat/completions --------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        fe = self.frontend
+        rid = new_id("chatcmpl")
+        try:
+            body = await self._parse(request, ChatCompletionRequest)
+            params = body.sampling_params()
+            ids = await fe.prepare_chat(params, body.messages)
+            sched = self._scheduling(request, rid, body)
+        except Exception as exc:
+            return self.error(exc)
+        top_n = body.top_logprobs or 0
+        if body.stream:
+            return StreamingResponse(self._stream_chat(rid, ids, params, top_n, body, sched),
+                                     media_type="text/event-stream")
+        try:
+            out = await fe.run(rid, ids, params, sched)
+        except Exception as exc:
+            return self.error(exc)
+        fe.count_ok("http", [out])
+        args = (fe.decode_token, top_n, body.return_token_ids, body.forced_tool, body.include_stop_str_in_output)
+        if self._large(params, [ids]):
+            return StreamedJSONResponse(json_chunks(chat_head(rid, fe.model_name), "choices",
+                                                    chat_choices(out, *args), lambda: chat_tail(out)))
+        return StrictJSONResponse(chat_response(rid, fe.model_name, out, *args))
+
+    async def _stream_chat(
+        self, rid: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest,
+        sched: Scheduling | None = None,
+    ) -> AsyncIterator[str]:
+        fe = self.frontend
+        first: set[int] = set()
+        n_tokens, created = 0, now()
+        try:
+            async for delta in fe.stream_deltas(rid, ids, params, sched):
+                for c in delta.outputs:
+                    n_tokens += len(c.token_ids)
+                    yield sse(chat_chunk(rid, fe.model_name, c, fe.decode_token, top_n, c.index not in first,
+                                         body.return_token_ids, created=created,
+                                         include_stop=body.include_stop_str_in_output))
+                    first.add(c.index)
+        except Exception as exc:
+            for event in self._error_event(exc):
+                yield event
+            return
+        if body.include_usage:
+            yield sse(usage_chunk(rid, fe.model_name, "chat.completion.chunk", usage(len(ids), n_tokens),
+                                  created=created))
+        fe.count_ok("http", tokens=n_tokens)
+        yield DONE
+
+    # -- the rest --------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        if denied := self.denied(request):
+            return denied
+        fe = self.frontend
+        return JSONResponse({"object": "list", "data": [
+            {"id": fe.model_name, "object": "model", "created": 0, "owned_by": "logitpool", "root": fe.model_name,
+             "parent": None, "max_model_len": fe.max_model_len}
+        ]})
+
+    async def list_processors(self, request: Request) -> Response:
+        if denied := self.denied(request):
+            return denied
+        procs = self.frontend.processors
+        return JSONResponse({"object": "list", "data": [p.as_json() for p in procs.describe()],
+                             "strict_extra_args": procs.strict_extra_args})
+
+    async def health(self) -> Response:
+        """200 only while some worker replica's engine loop is alive and stepping (its heartbeat)."""
+        pool = await self.frontend.pool()
+        alive = pool_stats.num_alive(pool)
+        if alive:
+            return JSONResponse({"status": "ok", "workers_alive": alive, "workers": len(pool)})
+        return JSONResponse({"status": "unavailable", "workers_alive": 0, "workers": len(pool)}, status_code=503)
+
+    async def prometheus(self) -> Response:
+        body, content_type = self.frontend.metrics.render(await self.frontend.pool())
+        return Response(body, media_type=content_type)

@@ -1,0 +1,479 @@
+"""The OpenAI-compatible HTTP schema (plus vLLM's extra sampling fields) and its conversion.
+
+Request bodies are converted once, here, to ``worker.SamplingParams``; responses are built here
+from the engine's ``RequestOutput``. Unknown body fields are ignored, as OpenAI-compatible
+servers do, so newer SDKs keep working; known fields this server does not implement are a 400
+(``openai_structured.NOT_IMPLEMENTED``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.openai.structured import (
+    ForcedTool,
+    forced_tool,
+    reject_not_implemented,
+    structured_from_fields,
+    tool_call_message,
+)
+from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from worker.sampling_params import INT64_MAX, SamplingParams
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    logprobs_mode: str | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None
+    # vLLM's extension: each choice (and stream chunk) also carries the generated token ids.
+    return_token_ids: bool = False
+    # vLLM's extension: a matched stop string stays at the end of the text.
+    include_stop_str_in_output: bool = False
+    # vLLM's extension: logprobs of the prompt tokens (response field `prompt_logprobs`).
+    prompt_logprobs: int | None = None
+    # vLLM's extension: lower is admitted sooner (worker.fairness: among one API key's requests,
+    # never beyond a fair share while others wait). The gRPC field's range.
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # Structured outputs: at most one (cluster/openai/structured.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_implemented(cls, body: Any) -> Any:
+        reject_not_implemented(body)
+        return body
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"n": self.n}
+        for name in (
+            "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
+            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
+            "allowed_token_ids", "skip_special_tokens", "logprobs_mode", "prompt_logprobs",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        if self.stop is not None:
+            kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.logit_bias is not None:
+            # OpenAI clamps biases to [-100, 100]; keys are token ids as strings.
+            kw["logit_bias"] = {
+                k: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) if math.isfinite(v) else v
+                for k, v in self.logit_bias.items()
+            }
+        if self.vllm_xargs is not None and self.extra_args is not None:
+            raise ValueError("vllm_xargs: give either vllm_xargs or extra_args, not both")
+        xargs = self.vllm_xargs if self.vllm_xargs is not None else self.extra_args
+        if xargs is not None:
+            kw["extra_args"] = dict(xargs)
+        guided = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+        so = structured_from_fields(self.response_format, self.structured_outputs, guided)
+        if so is not None:
+            kw["structured_outputs"] = so
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _no_suffix(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise ValueError("suffix: not supported by this server")
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: only the prompt comes back (how lm-eval scores loglikelihood)."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self) -> SamplingParams:
+        kw = self._sampling_kwargs()
+        if self.max_tokens is not None:
+            # vLLM generates one token for echo-only requests and drops it from the response.
+            kw["max_tokens"] = 1 if self.echo_only else self.max_tokens
+        if self.logprobs is not None:
+            kw["logprobs"] = self.logprobs
+            if self.echo and self.prompt_logprobs is None:
+                kw["prompt_logprobs"] = self.logprobs  # the echoed prompt's logprobs, as vLLM
+        return SamplingParams(**kw)
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            p = [p]
+        # An empty list or prompt is the front end's 400 (cluster.frontend.check_prompts).
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"messages: content part type {part.get('type')!r} is not supported (text only)")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # one call is always a valid answer
+
+    @property
+    def forced_tool(self) -> ForcedTool | None:
+        """The tool call ``tool_choice`` forces (ValueError for 'auto' and bad tools)."""
+        return forced_tool(self.tools, self.tool_choice)
+
+    def sampling_params(self) -> SamplingParams:
+        kw = self._sampling_kwargs()
+        tool = self.forced_tool
+        if tool is not None:
+            if "structured_outputs" in kw:
+                raise ValueError("tool_choice: cannot be combined with another output constraint")
+            if self.stream:
+                raise ValueError("stream: streaming tool calls is not implemented; set stream=false")
+            kw["structured_outputs"] = tool.constraint
+        # Neither given: up to the remaining context (vLLM), cut to it by fit_to_context.
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens: must be an integer >= 1, got {self.max_completion_tokens}")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        kw["max_tokens"] = max_tokens if max_tokens is not None else INT64_MAX
+        if self.logprobs:
+            kw["logprobs"] = self.top_logprobs or 0
+        elif self.top_logprobs:
+            raise ValueError("top_logprobs: requires logprobs=true")
+        return SamplingParams(**kw)
+
+
+def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """max_tokens against the context the prompt leaves, as vLLM: "up to the context" (INT64_MAX,
+    chat's value when neither max_tokens nor max_completion_tokens is given) becomes what is
+    left, and min_tokens is capped with it; a number that does not fit is a ValueError (400)."""
+    room = max_model_len - prompt_len
+    if params.max_tokens == INT64_MAX:
+        params.max_tokens = max(1, room)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+    elif params.max_tokens > room:
+        raise ValueError(
+            f"max_tokens: This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {params.max_tokens} output tokens and your prompt contains {prompt_len} input "
+            f"tokens, for a total of {prompt_len + params.max_tokens} tokens. Please reduce the length "
+            "of the input prompt or the number of requested output tokens.")
+
+
+# -- chat template -------------------------------------------------------------------------
+
+# Used when the tokenizer has no chat template of its own (documented in the README).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
+)
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> str:
+    msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, chat_template=template)
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """`created`: taken once per request, so every chunk of a stream carries the same value."""
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(c: CompletionOutput, decode: Any, text_offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's legacy completions logprobs object; offsets count from ``text_offset`` (the
+    length of the text already sent for this choice, when streaming)."""
+    if c.logprobs is None:
+        return None
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    positions: Sequence[PositionLogprobs | None] = c.logprobs
+    for tok, position in zip(c.token_ids, positions):  # None: an echoed prompt's first token
+        text = decode(tok)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        tokens.append(text)
+        token_logprobs.append(None if position is None else position[tok].logprob)
+        top.append(None if position is None else {decode(t): lp.logprob for t, lp in position.items()})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion choice starts with (`echo`); ``only``: max_tokens was 0."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None] | None
+    only: bool = False
+
+
+def echoed(c: CompletionOutput, e: Echo) -> CompletionOutput:
+    """``c`` with the prompt in front: text, token ids and (when asked for) logprobs, prompt first."""
+    lps = None if c.logprobs is None else list(e.logprobs or [None] * len(e.token_ids))
+    if e.only:
+        finish = "length" if c.finish_reason is not None and c.finish_reason != "error" else c.finish_reason
+        return CompletionOutput(c.index, e.text, list(e.token_ids), None, lps, finish, None, c.error)  # type: ignore[arg-type]
+    if lps is not None and c.logprobs is not None:
+        lps.extend(c.logprobs)
+    return CompletionOutput(c.index, e.text + c.text, [*e.token_ids, *c.token_ids], c.cumulative_logprob,
+                            lps, c.finish_reason, c.stop_reason, c.error)  # type: ignore[arg-type]
+
+
+def after_echo(c: CompletionOutput, e: Echo) -> CompletionOutput:
+    """A later stream delta of an echo-only choice: nothing generated is shown, only the finish."""
+    if not e.only:
+        return c
+    finish = "length" if c.finish_reason is not None and c.finish_reason != "error" else c.finish_reason
+    return CompletionOutput(c.index, "", [], None, None if c.logprobs is None else [], finish, None, c.error)
+
+
+def prompt_logprobs_json(plp: Sequence[PositionLogprobs | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, None or {token id: {logprob, rank, decoded_token}}."""
+    if plp is None:
+        return None
+    return [
+        None if position is None else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in position.items()
+        }
+        for position in plp
+    ]
+
+
+def chat_logprobs(c: CompletionOutput, decode: Any, top_n: int) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tok, position in zip(c.token_ids, c.logprobs):
+        text = decode(tok)
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
+        content.append({
+            "token": text,
+            "logprob": position[tok].logprob,
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": decode(t), "logprob": lp.logprob, "bytes": list(decode(t).encode())} for t, lp in ranked
+            ],
+        })
+    return {"content": content}
+
+
+def output_text(c: CompletionOutput, include_stop: bool) -> str:
+    """The text, with the matched stop string put back when the request asked for it."""
+    if include_stop and c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+        return c.text + c.stop_reason
+    return c.text
+
+
+def _choice(fields: dict[str, Any], c: CompletionOutput, token_ids: bool) -> dict[str, Any]:
+    """Fields every choice (and chunk choice) ends with: finish and stop reason, token ids."""
+    fields["finish_reason"] = c.finish_reason
+    fields["stop_reason"] = c.stop_reason
+    if token_ids:
+        fields["token_ids"] = list(c.token_ids)
+    return fields
+
+
+def completion_usage(outs: Sequence[RequestOutput], echoes: Sequence[Echo] | None = None) -> dict[str, int]:
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+    completion_tokens = sum(len(c.token_ids) for i, out in enumerate(outs) for c in out.outputs
+                            if echoes is None or not echoes[i].only)
+    return usage(prompt_tokens, completion_tokens)
+
+
+def completion_choices(
+    outs: Sequence[RequestOutput], decode: Any, token_ids: bool = False, include_stop: bool = False,
+    echoes: Sequence[Echo] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The choices of a completions response, one at a time (a large response is written as they
+    come, cluster.openai.wire.json_chunks). A prompt's `prompt_logprobs` are converted once and the
+    same list is every one of its choices' (the JSON repeats them per choice, as vLLM's)."""
+    for i, out in enumerate(outs):
+        plp = prompt_logprobs_json(out.prompt_logprobs)
+        for c in out.outputs:
+            shown = c if echoes is None else echoed(c, echoes[i])
+            choice = _choice({
+                "index": i * len(out.outputs) + c.index,
+                "text": output_text(shown, include_stop),
+                "logprobs": completion_logprobs(shown, decode),
+            }, shown, token_ids)
+            if plp is not None:
+                choice["prompt_logprobs"] = plp
+            yield choice
+
+
+def completion_head(rid: str, model: str) -> dict[str, Any]:
+    """A completions response's fields before `choices` (and `usage`, after them)."""
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model}
+
+
+def completion_response(
+    rid: str, model: str, outs: list[RequestOutput], decode: Any, token_ids: bool = False,
+    include_stop: bool = False, echoes: Sequence[Echo] | None = None,
+) -> dict[str, Any]:
+    """``echoes``: per prompt, what `echo` puts in front of each of its choices."""
+    return {**completion_head(rid, model),
+            "choices": list(completion_choices(outs, decode, token_ids, include_stop, echoes)),
+            "usage": completion_usage(outs, echoes)}
+
+
+def _chat_choice(c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool | None,
+                 include_stop: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": output_text(c, include_stop)}
+    reason = c.finish_reason
+    if tool is not None:
+        message, reason = tool_call_message(tool, c.text, reason)
+    return {"index": c.index, "message": message, "logprobs": chat_logprobs(c, decode, top_n),
+            "finish_reason": reason, "stop_reason": c.stop_reason}
+
+
+def chat_choices(out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
+                 tool: ForcedTool | None = None, include_stop: bool = False) -> Iterator[dict[str, Any]]:
+    for c in out.outputs:
+        choice = _chat_choice(c, decode, top_n, tool, include_stop)
+        if token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        yield choice
+
+
+def chat_head(rid: str, model: str) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": model}
+
+
+def chat_tail(out: RequestOutput) -> dict[str, Any]:
+    """A chat response's fields after `choices`: usage, and the prompt's logprobs (once)."""
+    tail: dict[str, Any] = {"usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+    if out.prompt_logprobs is not None:
+        tail["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    return tail
+
+
+def chat_response(
+    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
+    tool: ForcedTool | None = None, include_stop: bool = False,
+) -> dict[str, Any]:
+    return {**chat_head(rid, model), "choices": list(chat_choices(out, decode, top_n, token_ids, tool, include_stop)),
+            **chat_tail(out)}
+
+
+def completion_chunk(
+    rid: str, model: str, c: CompletionOutput, decode: Any, index_base: int = 0, token_ids: bool = False,
+    *, created: int, text_offset: int = 0, include_stop: bool = False,
+) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [_choice({
+            "index": index_base + c.index, "text": output_text(c, include_stop),
+            "logprobs": completion_logprobs(c, decode, text_offset),
+        }, c, token_ids)],
+    }
+
+
+def chat_chunk(
+    rid: str, model: str, c: CompletionOutput, decode: Any, top_n: int, first: bool, token_ids: bool = False,
+    *, created: int, include_stop: bool = False,
+) -> dict[str, Any]:
+    delta: dict[str, Any] = {"content": output_text(c, include_stop)}
+    if first:
+        delta["role"] = "assistant"
+    return {
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [_choice({
+            "index": c.index, "delta": delta, "logprobs": chat_logprobs(c, decode, top_n),
+        }, c, token_ids)],
+    }
+
+
+def usage_chunk(rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, int],
+                *, created: int) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u}

@@ -1,0 +1,1 @@
+"""The gRPC wing: the LogitPool service adapter and pb <-> worker conversion."""

@@ -1,0 +1,1 @@
+"""The model: loading, the tiny embedded builder, the runner, attention, cascade, gathers."""

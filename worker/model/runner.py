@@ -1,0 +1,243 @@
+"""ModelRunner: owns the paged KV storage and runs one flattened forward per engine step.
+
+KV lives in one pool of fixed-size blocks per layer, ``[kv_heads, num_blocks, block_size,
+head_dim]``, allocated once (head-major: a gathered context is one contiguous matrix per head,
+which CPU SDPA reads fastest). The runner keeps no per-request state: each
+scheduled sequence brings its block table (``worker.kv`` does the bookkeeping), so moving or
+swapping rows of the persistent batch copies no KV, and blocks shared by a cached prefix are
+simply listed in several tables. Each step flattens all scheduled tokens — decode rows and prompt
+chunks alike — into one ``[1, T]`` sequence with explicit position ids and runs the model once;
+``worker.model.attention`` does the rest. Where the step's decode rows (or prompt chunks) share leading
+blocks and it pays, the metadata marks the split for cascade attention (``worker.model.cascade``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from worker.model.attention import (
+    METADATA_KWARG,
+    DecodeRows,
+    PromptChunk,
+    StepMetadata,
+    prepared_mask_sentinel,
+    register_attention,
+)
+from worker.model.cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
+from worker.model.gather import head_major
+from worker.model.loader import LoadedModel
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    block_ids: Sequence[int]  # the request's block table (at least the blocks this step touches)
+    token_ids: list[int]  # tokens to run this step (a prompt chunk, or the 1 last sampled token)
+    start_pos: int  # how many tokens of this request are already in its KV blocks
+    sample: bool  # True if this seq's last position produces logits this step
+    # Logits of this many leading positions are returned too (prompt logprobs), after every sampled row.
+    prompt_logits: int = 0
+
+
+def kv_shape(loaded: LoadedModel) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of the model's attention."""
+    text = loaded.config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return int(text.num_hidden_layers), int(kv_heads), int(head_dim)
+
+
+def block_bytes(loaded: LoadedModel, block_size: int) -> int:
+    """Bytes one block takes over all layers, keys and values."""
+    layers, kv_heads, head_dim = kv_shape(loaded)
+    return 2 * layers * block_size * kv_heads * head_dim * loaded.dtype.itemsize
+
+
+def num_blocks_for(
+    loaded: LoadedModel,
+    block_size: int,
+    *,
+    kv_cache_bytes: int | None,
+    memory_fraction: float,
+    default_tokens: int,
+) -> int:
+    """How many blocks the KV budget holds.
+
+    ``kv_cache_bytes`` when given; else on CUDA ``memory_fraction`` of the free device memory
+    (after the weights are loaded); else (CPU) room for ``default_tokens`` tokens.
+    """
+    per_block = block_bytes(loaded, block_size)
+    if kv_cache_bytes is not None:
+        budget = kv_cache_bytes
+    elif loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        budget = int(free * memory_fraction)
+    else:
+        budget = -(-default_tokens // block_size) * per_block
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_bytes: {budget} bytes hold no KV block of {per_block} bytes")
+    return int(blocks)
+
+
+class ModelRunner:
+    """Preallocated paged KV cache + one forward per step for any mix of decode rows and chunks.
+
+    Side effect: switches ``loaded.model`` to the registered paged-KV attention; calls without
+    the step metadata (``model.generate()``) still run transformers' SDPA.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_model_len: int | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        max_len = loaded.max_model_len if max_model_len is None else max_model_len
+        if not 1 <= max_len <= loaded.max_model_len:
+            raise ValueError(f"max_model_len must be in [1, {loaded.max_model_len}], got {max_model_len}")
+        layers, kv_heads, head_dim = kv_shape(loaded)
+        shape = (kv_heads, num_blocks, block_size, head_dim)
+        # Zeros, not empty: masked positions get weight 0, and 0 * NaN garbage would still be NaN.
+        self._k = tuple(torch.zeros(shape, dtype=loaded.dtype, device=loaded.device) for _ in range(layers))
+        self._v = tuple(torch.zeros(shape, dtype=loaded.dtype, device=loaded.device) for _ in range(layers))
+        self.kv_cache_bytes: int = sum(t.numel() * t.element_size() for t in self._k + self._v)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_len
+        self.vocab_size = loaded.vocab_size
+        self._model = loaded.model
+        self._device = loaded.device
+        self._model.set_attn_implementation(register_attention())
+        self._no_mask = prepared_mask_sentinel(loaded.device)
+        self._workspace: dict[str, torch.Tensor] = {}
+        self.num_cascade_steps = 0  # steps whose decode rows attended a shared prefix once (cascade)
+        self.num_cascade_chunk_steps = 0  # ... whose prompt chunks did
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    # ------------------------------------------------------------------ step
+
+    def _check(self, seqs: Sequence[ScheduledSeq]) -> None:
+        written: set[int] = set()
+        bs = self.block_size
+        for i, s in enumerate(seqs):
+            if not s.token_ids:
+                raise ValueError(f"seq {i}: no tokens scheduled")
+            end = s.start_pos + len(s.token_ids)
+            if s.start_pos < 0 or end > self.max_model_len:
+                raise ValueError(f"seq {i}: {end} tokens exceed max_model_len {self.max_model_len}")
+            if len(s.block_ids) * bs < end:
+                raise ValueError(f"seq {i}: {len(s.block_ids)} blocks cannot hold {end} tokens")
+            used = s.block_ids[: -(-end // bs)]
+            if any(not 0 <= b < self.num_blocks for b in used):
+                raise ValueError(f"seq {i}: block ids must be in [0, {self.num_blocks})")
+            for b in s.block_ids[s.start_pos // bs : -(-end // bs)]:
+                if b in written:
+                    raise ValueError(f"seq {i}: block {b} is written by two sequences in one step")
+                written.add(b)
+
+    def _metadata(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata]:
+        """Build every index tensor of the step from Python lists, with one host-to-device copy."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
+        extra: list[int] = []
+        dec_index: list[int] = []
+        dec_lens: list[int] = []
+        dec_tables: list[Sequence[int]] = []
+        chunk_args: list[tuple[int, int, int, Sequence[int]]] = []  # (flattened start, tokens, KV start, blocks)
+        for s in seqs:
+            n, start = len(s.token_ids), len(ids)
+            end = s.start_pos + n
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, end))
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(s.start_pos, end))
+            if s.sample:
+                keep.append(start + n - 1)
+            extra.extend(range(start, start + s.prompt_logits))
+            used = -(-end // bs)
+            if n == 1:
+                dec_index.append(start)
+                dec_lens.append(end)
+                dec_tables.append(table[:used])
+            else:
+                chunk_args.append((start, n, s.start_pos, table[:used]))
+        keep += extra
+        width = max(map(len, dec_tables), default=0)
+        padded = [b for t in dec_tables for b in (*t, *([0] * (width - len(t))))]
+        shared = self._shared_blocks(padded, dec_lens, width)
+        chunk_blocks = [b for *_, blocks in chunk_args for b in blocks]
+        lists = (ids, pos, slots, keep, dec_index, dec_lens, padded, chunk_blocks)
+        flat = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
+        flat = flat.to(self._device, non_blocking=True)
+        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_table, t_chunk_blocks = flat.split(
+            [len(part) for part in lists]
+        )
+
+        kvh, nb = self._k[0].shape[0], self.num_blocks
+        decode = None
+        if dec_index:
+            table = t_table.view(len(dec_index), width)
+            cascade = None
+            if shared:
+                self.num_cascade_steps += 1
+                cascade = shared_prefix(table, t_dec_lens, max(dec_lens), shared, self.block_size, nb, kvh)
+            decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens), cascade)
+        chunks: list[PromptChunk] = []
+        offset = 0
+        for tok, n, start, table_ids in chunk_args:
+            blocks = t_chunk_blocks[offset : offset + len(table_ids)]
+            chunks.append(PromptChunk(tok, n, start, blocks, head_major(blocks, kvh, nb)))
+            offset += len(table_ids)
+        cascade_chunks = None
+        if len(chunk_args) > 1:
+            cascade_chunks = shared_chunks(chunk_args, self.block_size, nb, kvh, self._device)
+            self.num_cascade_chunk_steps += cascade_chunks is not None
+        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace, cascade_chunks)
+        return t_ids, t_pos, t_keep, meta
+
+    def _shared_blocks(self, padded: list[int], lengths: list[int], width: int) -> int:
+        """Leading blocks shared by every decode row, or 0 where cascade attention would not pay.
+
+        Decided on the host lists, before the step's single host-to-device copy (no device sync).
+        """
+        if not cascade_pays(len(lengths), width * self.block_size):
+            return 0
+        table = torch.tensor(padded, dtype=torch.long).view(len(lengths), width)
+        shared = common_prefix_blocks(table, torch.tensor(lengths), self.block_size)
+        return shared if shared and cascade_pays(len(lengths), shared * self.block_size) else 0
+
+    def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order,
+        then the ``prompt_logits`` rows of each seq, in seqs order."""
+        self._check(seqs)
+        with torch.inference_mode():
+            if not seqs:
+                return torch.empty((0, self.vocab_size), dtype=self._k[0].dtype, device=self._device)
+            ids, pos, keep, meta = self._metadata(seqs)
+            out = self._model(
+                input_ids=ids[None],
+                attention_mask=self._no_mask,
+                position_ids=pos[None],
+                use_cache=False,
+                logits_to_keep=keep,
+                **{METADATA_KWARG: meta},
+            )
+        return out.logits[0]
