@@ -18,7 +18,7 @@ from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
 ROWS = 4
-HOG = SamplingParams(n=4, temperature=0.0, max_tokens=40, ignore_eos=True)
+HOG = SamplingParams(n=4, temperature=0.0, max_tokens=30, ignore_eos=True)
 SMALL = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
@@ -88,7 +88,7 @@ def test_a_small_request_behind_a_full_batch_starts_within_a_step(tiny_model):
     assert fcfs_wait > 20, f"the scenario must block fcfs (it waited {fcfs_wait} steps)"
     assert fair_engine.scheduler.num_fair_preemptions >= 1
     assert fair_out == fcfs_out
-    assert all(len(t) == 40 for rid, outs in fair_out.items() if rid.startswith("hog") for t in outs)
+    assert all(len(t) == 30 for rid, outs in fair_out.items() if rid.startswith("hog") for t in outs)
 
 
 def test_tenants_then_groups_hold_their_shares(tiny_model):
