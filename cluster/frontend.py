@@ -28,7 +28,7 @@ from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
 from cluster.limits import ONCE, ResponseShape
 from cluster.metrics import Metrics
-from cluster.openai.protocol import ChatMessage, fit_to_context, render_chat
+from cluster.chat import Turn, fit_to_context, render_chat
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.model.loader import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput
@@ -84,7 +84,8 @@ class Frontend:
         self.limits = cfg.limits
         self.metrics = Metrics()
         self.timeout_s = REQUEST_TIMEOUT_S
-        self._worker = worker
+        # The worker's streaming `generate`, bound once (not per request by a method-name string).
+        self._generate = worker.options(method_name="generate", stream=True)
         self._pool = pool
         self._backend = self.tokenizer.backend_tokenizer
         self.max_prompt_chars = prompt_bound.max_prompt_chars(
@@ -147,13 +148,13 @@ class Frontend:
         """check_request, off the event loop when there is much to tokenize or a grammar to compile."""
         return await self._off_loop(params, sum(map(len, prompts)), self.check_request, params, prompts, shape)
 
-    async def prepare_chat(self, params: SamplingParams, messages: list[ChatMessage]) -> list[int]:
+    async def prepare_chat(self, params: SamplingParams, turns: list[Turn]) -> list[int]:
         """The chat template rendered and checked like a prompt."""
-        size = sum(len(m.text()) for m in messages)
-        return await self._off_loop(params, size, self._chat_ids, params, messages)
+        size = sum(len(text) for _, text in turns)
+        return await self._off_loop(params, size, self._chat_ids, params, turns)
 
-    def _chat_ids(self, params: SamplingParams, messages: list[ChatMessage]) -> list[int]:
-        text = render_chat(self.tokenizer, messages)
+    def _chat_ids(self, params: SamplingParams, turns: list[Turn]) -> list[int]:
+        text = render_chat(self.tokenizer, turns)
         self.check_prompt_chars(text, "messages")
         (ids,) = self.check_request(params, [text])
         return ids
@@ -175,7 +176,7 @@ class Frontend:
         """
         deadline = time.monotonic() + self.timeout_s
         for attempt in range(REPLICA_RETRIES + 1):
-            gen = self._worker.options(method_name="generate", stream=True).remote(request_id, ids, params, scheduling)
+            gen = self._generate.remote(request_id, ids, params, scheduling)
             it = gen.__aiter__()
             started = False
             try:

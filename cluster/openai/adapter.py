@@ -238,7 +238,7 @@ class HttpAdapter:
         try:
             body = await self._parse(request, ChatCompletionRequest)
             params = body.sampling_params()
-            ids = await fe.prepare_chat(params, body.messages)
+            ids = await fe.prepare_chat(params, [(m.role, m.text()) for m in body.messages])
             sched = self._scheduling(request, rid, body)
         except Exception as exc:
             return self.error(exc)

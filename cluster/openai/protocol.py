@@ -220,36 +220,6 @@ class ChatCompletionRequest(_SamplingFields):
         return SamplingParams(**kw)
 
 
-def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
-    """max_tokens against the context the prompt leaves, as vLLM: "up to the context" (INT64_MAX,
-    chat's value when neither max_tokens nor max_completion_tokens is given) becomes what is
-    left, and min_tokens is capped with it; a number that does not fit is a ValueError (400)."""
-    room = max_model_len - prompt_len
-    if params.max_tokens == INT64_MAX:
-        params.max_tokens = max(1, room)
-        params.min_tokens = min(params.min_tokens, params.max_tokens)
-    elif params.max_tokens > room:
-        raise ValueError(
-            f"max_tokens: This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {params.max_tokens} output tokens and your prompt contains {prompt_len} input "
-            f"tokens, for a total of {prompt_len + params.max_tokens} tokens. Please reduce the length "
-            "of the input prompt or the number of requested output tokens.")
-
-
-# -- chat template -------------------------------------------------------------------------
-
-# Used when the tokenizer has no chat template of its own (documented in the README).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
-)
-
-
-def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> str:
-    msgs = [{"role": m.role, "content": m.text()} for m in messages]
-    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, chat_template=template)
-
-
 # -- responses -----------------------------------------------------------------------------
 
 

@@ -251,3 +251,15 @@ def test_whole_application_in_local_mode(cfg: LogitpoolConfig, monkeypatch: pyte
     req = pb.GenerateRequest(prompt="def", params=pb.SamplingParams(max_tokens=2))
     out = ingress.Generate.remote(req, _ctx()).result(timeout_s=30)
     assert len(out.completions[0].token_ids) == 2 and len(FakeEngine.seen) == 1
+
+
+def test_the_frontend_is_transport_free() -> None:
+    """cluster.frontend imports neither protocol wing (HTTP/OpenAI nor gRPC)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cluster.frontend; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('cluster.openai', 'cluster.rpc')));"
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from client.pb.logitpool.v1 import logitpool_pb2_grpc as pb_grpc
 from cluster.config import LogitpoolConfig
-from cluster.openai.protocol import fit_to_context
+from cluster.chat import fit_to_context
 from worker.sampling_params import INT64_MAX, SamplingParams
 
 APP = "parity"

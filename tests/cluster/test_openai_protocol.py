@@ -7,12 +7,12 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import LogitpoolConfig
+from cluster.chat import fit_to_context
 from cluster.errors import ModelNotFound, classify, error_body
 from cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     completion_logprobs,
-    fit_to_context,
     output_text,
 )
 from worker.outputs import CompletionOutput, Logprob
