@@ -21,9 +21,9 @@ from ray.serve.grpc_util import RayServegRPCContext
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.errors import ResponseTooLarge, classify
 from cluster.frontend import Frontend
-from cluster.rpc.convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
 from cluster.grpc_servicers import GrpcRejected, WireRequest, install_rejection_logging, one_line
 from cluster.limits import PayloadTooLarge
+from cluster.rpc.convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
 from worker.outputs import OutputAccumulator
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
@@ -83,7 +83,8 @@ class GrpcAdapter:
         if size > limit:
             raise ResponseTooLarge(
                 f"response: {size} bytes exceeds limits.max_grpc_message_bytes ({limit}); "
-                "use GenerateStream or ask for fewer logprobs")
+                "use GenerateStream or ask for fewer logprobs"
+            )
         return msg
 
     async def _prepare(
@@ -103,7 +104,9 @@ class GrpcAdapter:
         """One group per call, under its API key's tenant (as HTTP)."""
         return self.frontend.scheduling(_authorization(ctx), engine_id, priority)
 
-    async def generate(self, request: Request[pb.GenerateRequest], grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
+    async def generate(
+        self, request: Request[pb.GenerateRequest], grpc_context: RayServegRPCContext
+    ) -> pb.GenerateResponse:
         try:
             rid, ids, params, priority = await self._prepare(request, grpc_context)
             engine_id = _engine_id(rid)
@@ -129,8 +132,15 @@ class GrpcAdapter:
                 total = acc.add(delta)
                 if delta.finished:
                     total.prompt_token_ids = ids  # deltas arrive without the prompt
-                yield self._fits(delta_pb(rid, delta, self.frontend.decode_token,
-                                          usage=total if delta.finished else None, prompt_token_ids=ids))
+                yield self._fits(
+                    delta_pb(
+                        rid,
+                        delta,
+                        self.frontend.decode_token,
+                        usage=total if delta.finished else None,
+                        prompt_token_ids=ids,
+                    )
+                )
         except Exception as exc:
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc")
@@ -180,6 +190,9 @@ class GrpcAdapter:
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         """UNIMPLEMENTED, which the health protocol tells clients not to retry: a watch would hold
         one of the ingress's ongoing-request slots for as long as any caller, keyless, kept it."""
-        raise reject(grpc_context, grpc.StatusCode.UNIMPLEMENTED,
-                     "grpc.health.v1.Health/Watch is not implemented by this server; poll Check")
+        raise reject(
+            grpc_context,
+            grpc.StatusCode.UNIMPLEMENTED,
+            "grpc.health.v1.Health/Watch is not implemented by this server; poll Check",
+        )
         yield health_pb2.HealthCheckResponse()  # an async generator, as Serve's streaming path calls it

@@ -12,10 +12,10 @@ import pytest
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster import limits as request_limits
 from cluster.frontend import Frontend, tenant_id
-from cluster.rpc.service import GrpcAdapter
 from cluster.limits import Limits
+from cluster.rpc.service import GrpcAdapter
 from tests.cluster.fake_engine import FakeEngine
-from tests.cluster.test_frontend_local import KEY, _ctx, cfg, fe, http, worker  # noqa: F401,F811 - fixtures
+from tests.cluster.test_frontend_local import KEY, _ctx, cfg, fe, http, worker  # noqa: F401 - fixtures
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
@@ -49,8 +49,9 @@ def test_chat_and_streams_carry_it_too(fe: Frontend) -> None:
 
 
 def test_grpc_priority_reaches_the_worker(fe: Frontend) -> None:
-    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[8, 1]), params=pb.SamplingParams(max_tokens=2),
-                             request_id="c-1", priority=7)
+    req = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[8, 1]), params=pb.SamplingParams(max_tokens=2), request_id="c-1", priority=7
+    )
     asyncio.run(GrpcAdapter(fe).generate(req, _ctx()))
     (sched,) = FakeEngine.scheduling
     assert sched.priority == 7 and sched.group.startswith("c-1-") and sched.tenant == tenant_id(f"Bearer {KEY}")

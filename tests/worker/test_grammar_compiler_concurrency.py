@@ -114,7 +114,9 @@ def test_any_completion_order_resolves_every_caller(keys: list[int], seed: int, 
     results: dict[int, tuple[str, object]] = {}
     threads = []
     for i, k in enumerate(keys):
-        t = threading.Thread(target=lambda i=i, k=k: results.__setitem__(i, _call(lambda: c.compile(_params(specs[k])))))
+        t = threading.Thread(
+            target=lambda i=i, k=k: results.__setitem__(i, _call(lambda: c.compile(_params(specs[k]))))
+        )
         t.start()
         threads.append(t)
         while gate.tasks and rng.random() < 0.5:  # release some pending compiles before the next caller

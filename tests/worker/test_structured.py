@@ -168,8 +168,9 @@ IMPOSSIBLE = [
 
 @pytest.mark.parametrize("schema", IMPOSSIBLE, ids=lambda s: json.dumps(s)[:40])
 @pytest.mark.parametrize("source", ["structured_outputs", "response_format.json_schema.schema"])
-def test_impossible_schema_is_a_value_error_naming_the_field(compiler: StructuredCompiler, schema: dict,
-                                                             source: str) -> None:
+def test_impossible_schema_is_a_value_error_naming_the_field(
+    compiler: StructuredCompiler, schema: dict, source: str
+) -> None:
     field = "structured_outputs.json" if source == "structured_outputs" else source
     with pytest.raises(ValueError, match=f"^{re.escape(field)}: invalid JSON schema: "):
         compiler.compile(StructuredOutputsParams(json=schema, source=source))
@@ -185,22 +186,33 @@ def byte_compiler() -> StructuredCompiler:
     ("so", "satisfiable"),
     [
         ({"json": {"type": "string", "pattern": "^\n$"}}, False),  # JSON strings never hold a raw newline
-        ({"json": {"type": "object", "properties": {"a": {"type": "string", "pattern": r"^[\x00-\x08]+$"}},
-                   "required": ["a"], "additionalProperties": False}}, False),
+        (
+            {
+                "json": {
+                    "type": "object",
+                    "properties": {"a": {"type": "string", "pattern": r"^[\x00-\x08]+$"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                }
+            },
+            False,
+        ),
         ({"json": {"type": "string", "pattern": "^(a|\n)$"}}, True),  # one way out is enough
         ({"regex": "a\n"}, True),  # a regex is not JSON: a raw newline is output like any byte
         ({"json": {"const": "\n"}}, True),  # escaped by the JSON grammar
         ({"grammar": 'root ::= "x" ("y" | "z")*'}, True),
     ],
 )
-def test_a_constraint_no_output_satisfies_is_a_value_error(byte_compiler: StructuredCompiler, so: dict,
-                                                           satisfiable: bool) -> None:
+def test_a_constraint_no_output_satisfies_is_a_value_error(
+    byte_compiler: StructuredCompiler, so: dict, satisfiable: bool
+) -> None:
     params = StructuredOutputsParams(**so)
     if satisfiable:
         assert byte_compiler.compile(params) is not None
     else:
-        with pytest.raises(ValueError, match=f"^structured_outputs.{params.kind}: invalid JSON schema: no output "
-                                             "satisfies it"):
+        with pytest.raises(
+            ValueError, match=f"^structured_outputs.{params.kind}: invalid JSON schema: no output satisfies it"
+        ):
             byte_compiler.compile(params)
 
 
@@ -241,8 +253,10 @@ def test_cache_is_lru_keyed_by_constraint() -> None:
 
 def test_slow_compile_is_bounded() -> None:
     c = StructuredCompiler.from_vocab(VOCAB, [EOS], timeout_s=1e-4)
-    schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^[a-e]{{1,{i + 1}}}$"}
-                                               for i in range(40)}}
+    schema = {
+        "type": "object",
+        "properties": {f"k{i}": {"type": "string", "pattern": f"^[a-e]{{1,{i + 1}}}$"} for i in range(40)},
+    }
     with pytest.raises(ValueError, match=r"^structured_outputs.json: compiling the JSON schema took longer than"):
         c.compile(StructuredOutputsParams(json=schema))
 

@@ -16,8 +16,8 @@ from worker.logits_processor.interface import (
     AddedRequest,
     BatchUpdate,
     LogitsProcessor,
-    MovedRequest,
     MoveDirectionality,
+    MovedRequest,
     RemovedRequest,
 )
 from worker.logits_processor.state import RowStates

@@ -372,14 +372,19 @@ class StructuredCompiler:
         if outcome is Outcome.INVALID:
             return ValueError(f"{where}: invalid {what}: {_library_message(verdict.message)}")
         if outcome is Outcome.TIMEOUT:
-            return ValueError(f"{where}: compiling the {what} took longer than {self.timeout_s:g}s; simplify the constraint")
+            return ValueError(
+                f"{where}: compiling the {what} took longer than {self.timeout_s:g}s; simplify the constraint"
+            )
         if outcome is Outcome.MEMORY:
             mib = self.pool.config.memory_bytes >> 20
-            return ValueError(f"{where}: compiling the {what} needs more than the {mib} MiB compile memory budget; "
-                              "simplify the constraint")
+            return ValueError(
+                f"{where}: compiling the {what} needs more than the {mib} MiB compile memory budget; "
+                "simplify the constraint"
+            )
         if outcome is Outcome.CRASHED:
-            return ValueError(f"{where}: the grammar compiler failed on this {what} ({verdict.message}); "
-                              "simplify the constraint")
+            return ValueError(
+                f"{where}: the grammar compiler failed on this {what} ({verdict.message}); simplify the constraint"
+            )
         if outcome is Outcome.BUSY:
             return CompileBusy(f"{where}: every grammar compile worker is busy; retry later")
         return RuntimeError(f"{where}: grammar compiling is unavailable: {verdict.message}")
