@@ -290,9 +290,8 @@ class LogitpoolConfig(_Frozen):
 
 def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if isinstance(value, BaseModel):
-            value = value.model_dump()
+    for key, raw in overrides.items():
+        value = raw.model_dump() if isinstance(raw, BaseModel) else raw
         for part in reversed(key.split(".")):
             value = {part: value}
         nested = _deep_merge(nested, value)

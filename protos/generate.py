@@ -86,7 +86,7 @@ def generate(out: Path) -> list[Path]:
 def _replace_dir(src: Path, out: Path) -> None:
     """Swap ``out`` for ``src``, refusing to delete a folder holding anything but generated code."""
     if out.exists():
-        foreign = [p for p in out.rglob("*") if p.is_file() and p.suffix not in GENERATED_SUFFIXES + (".pyc",)]
+        foreign = [p for p in out.rglob("*") if p.is_file() and p.suffix not in (*GENERATED_SUFFIXES, ".pyc")]
         if foreign:
             raise SystemExit(f"refusing to replace {out}: it holds non-generated files {foreign[:3]}")
         shutil.rmtree(out)

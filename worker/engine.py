@@ -311,7 +311,7 @@ class LLMEngine:
         """
         try:
             return self._step()
-        except Exception as exc:  # not attributable to any phase: fail everyone, start clean
+        except Exception as exc:  # noqa: BLE001 - not attributable to any phase: fail everyone, start clean
             self._fail_everything(exc)
             return self._collect_outputs()
 
@@ -333,7 +333,7 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput | None:
         try:
             return self.scheduler.schedule()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a scheduler failure fails everyone, the engine goes on
             self._fail_everything(exc, phase="schedule")
             return None
 
@@ -342,7 +342,7 @@ class LLMEngine:
         joining = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sched.joining]
         try:
             update = self.batch.update(sched.finished_ids, joining, swaps=self._swaps)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a batch-update failure fails the batch, which is rebuilt
             in_batch = [self._requests[rid] for rid in self.batch.req_ids if rid in self._requests]
             self._fail_and_rebuild(in_batch + sched.joining, _phase_error("batch update", exc))
             return False
@@ -367,7 +367,7 @@ class LLMEngine:
         ]
         try:
             logits = self.runner.execute(seqs)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its sequences, not the engine
             # Rows leave the batch by the normal removal next step: processor state stays valid.
             logger.warning("model forward failed: %r; failing its %d sequences", exc, len(seqs))
             for c in rows + partial:
@@ -391,7 +391,7 @@ class LLMEngine:
                 return rows, self.sampler(work, self.batch.sampling_metadata(), pristine=logits)
             except ProcessorError as exc:
                 survivors = self._isolate(exc, [c.request for c in rows], logits)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a sampler failure fails these rows; the batch is rebuilt
                 self._fail_and_rebuild([c.request for c in rows], _phase_error("sampler", exc))
                 return None
             if not survivors:
@@ -412,7 +412,7 @@ class LLMEngine:
             req = chunk.request
             try:
                 self._fill_prompt_logprobs(self._parents[req.parent_id], chunk.start_pos, logits[offset : offset + m])
-            except Exception as exc:  # this request alone ends
+            except Exception as exc:  # noqa: BLE001 - this request alone ends
                 self._finish(req, FinishReason.ERROR, error=_phase_error("prompt logprobs", exc))
             offset += m
 
@@ -462,7 +462,7 @@ class LLMEngine:
                     req.new_logprobs.append(position)
                     req.cumulative_logprob = (req.cumulative_logprob or 0.0) + position[tok].logprob
                 self._check_stop(req, tok)
-            except Exception as exc:  # detokenizer / stop check of this one row
+            except Exception as exc:  # noqa: BLE001 - detokenizer / stop check of this one row
                 self._finish(req, FinishReason.ERROR, error=_phase_error("token append (detokenize, stop check)", exc))
             self._parents[req.parent_id].dirty.add(req.index)
 
@@ -547,7 +547,7 @@ class LLMEngine:
                 for p in procs.every():
                     if type(p).__name__ == exc.processor:
                         x = p.apply(x)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure on replay means the processor fails on its own
             return True
         return False
 
@@ -595,7 +595,7 @@ class LLMEngine:
                 continue
             try:
                 deltas = [self._delta(parent.children[i]) for i in sorted(parent.dirty)]
-            except Exception as exc:  # this request's detokenizer broke: it alone ends
+            except Exception as exc:  # noqa: BLE001 - this request's detokenizer broke: it alone ends
                 deltas = self._error_deltas(parent, _phase_error("output collection", exc))
             parent.dirty.clear()
             finished = parent.finished

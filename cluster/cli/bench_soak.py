@@ -105,10 +105,11 @@ class SoakReport:
 
     def violations(self) -> list[str]:
         allowed = ALLOWED
-        bad = []
-        for o in self.outcomes:
-            if o.result not in allowed[o.kind] and not self.excused(o):
-                bad.append(f"{o.kind}/{o.name}: {o.result} ({o.detail[:200]})")
+        bad = [
+            f"{o.kind}/{o.name}: {o.result} ({o.detail[:200]})"
+            for o in self.outcomes
+            if o.result not in allowed[o.kind] and not self.excused(o)
+        ]
         excused = sum(1 for o in self.outcomes if o.result not in allowed[o.kind] and self.excused(o))
         if self.killed_in_flight is not None and excused > self.killed_in_flight + 8:
             bad.append(f"{excused} requests failed at the kill; the replica held {self.killed_in_flight}")

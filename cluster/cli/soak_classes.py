@@ -100,7 +100,7 @@ HOSTILE_HTTP: list[tuple[str, str, Any, dict[str, str], tuple[int, ...]]] = [
         "/v1/completions",
         '{"model": "\\ud800", "prompt": "x", "max_tokens": 2}',
         {},
-        (200, 404) + _4XX,
+        (200, 404, *_4XX),
     ),
     ("surrogate_bad_words", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "bad_words": ["\\ud800"]}', {}, _4XX),
     ("nested_100000", "/v1/completions", _nested(100_000), {}, _4XX),
@@ -110,7 +110,7 @@ HOSTILE_HTTP: list[tuple[str, str, Any, dict[str, str], tuple[int, ...]]] = [
         "/v1/completions",
         {"prompt": "x y x y", "max_tokens": 4, "repetition_penalty": 1e-300},
         {},
-        (200,) + _4XX,
+        (200, *_4XX),
     ),
     (
         "processed_logprobs_allowed",
@@ -123,7 +123,7 @@ HOSTILE_HTTP: list[tuple[str, str, Any, dict[str, str], tuple[int, ...]]] = [
             "logprobs_mode": "processed_logprobs",
         },
         {},
-        (200,) + _4XX,
+        (200, *_4XX),
     ),
     ("logit_bias_nan", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": NaN}}', {}, _4XX),
     ("n_2000", "/v1/completions", {"prompt": "x", "max_tokens": 1, "n": 2000}, {}, _4XX),
@@ -150,7 +150,7 @@ HOSTILE_HTTP: list[tuple[str, str, Any, dict[str, str], tuple[int, ...]]] = [
             "stream": True,
         },
         {},
-        (200,) + _4XX,
+        (200, *_4XX),
     ),
 ]
 

@@ -130,7 +130,7 @@ class HttpAdapter:
         """The 401 response when the API key is missing or wrong, else None."""
         try:
             self.frontend.authorize(request.headers.get("authorization"))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         return None
 
@@ -146,7 +146,7 @@ class HttpAdapter:
             shape = ResponseShape(prompt_logprobs_per_choice=not body.stream, echo=body.echo)
             prompts = await fe.prepare(params, raw, shape)
             sched = self._scheduling(request, rid, body)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         if body.stream:
             return StreamingResponse(
@@ -154,7 +154,7 @@ class HttpAdapter:
             )
         try:
             outs = await asyncio.gather(*(fe.run(f"{rid}-{i}", ids, params, sched) for i, ids in enumerate(prompts)))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         fe.count_ok("http", outs)
         echoes = [self._echo(r, ids, out, body) for r, ids, out in zip(raw, prompts, outs)] if body.echo else None
@@ -221,11 +221,12 @@ class HttpAdapter:
                     return
                 if body.echo and i not in echoes:
                     echoes[i] = self._echo(raw[i], prompts[i], item, body)
-                for c in item.outputs:
-                    index = i * params.n + c.index
-                    n_tokens += 0 if body.echo_only else len(c.token_ids)
+                for choice in item.outputs:
+                    index = i * params.n + choice.index
+                    n_tokens += 0 if body.echo_only else len(choice.token_ids)
+                    c = choice
                     if body.echo:  # the prompt comes first, in the choice's first chunk (as vLLM)
-                        c = after_echo(c, echoes[i]) if index in sent else echoed(c, echoes[i])
+                        c = after_echo(choice, echoes[i]) if index in sent else echoed(choice, echoes[i])
                         if index in sent and not c.text and c.finish_reason is None:
                             continue
                     chunk = completion_chunk(
@@ -270,7 +271,7 @@ class HttpAdapter:
             params = body.sampling_params()
             ids = await fe.prepare_chat(params, body.messages)
             sched = self._scheduling(request, rid, body)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         top_n = body.top_logprobs or 0
         if body.stream:
@@ -279,7 +280,7 @@ class HttpAdapter:
             )
         try:
             out = await fe.run(rid, ids, params, sched)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         fe.count_ok("http", [out])
         args = (fe.decode_token, top_n, body.return_token_ids, body.forced_tool, body.include_stop_str_in_output)
@@ -319,7 +320,7 @@ class HttpAdapter:
                         )
                     )
                     first.add(c.index)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             for event in self._error_event(exc):
                 yield event
             return

@@ -112,7 +112,7 @@ class GrpcAdapter:
             engine_id = _engine_id(rid)
             out = await self.frontend.run(engine_id, ids, params, self._scheduling(priority, grpc_context, engine_id))
             response = self._fits(response_pb(rid, out, self.frontend.decode_token))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc", [out])
         return response
@@ -124,7 +124,7 @@ class GrpcAdapter:
             rid, ids, params, priority = await self._prepare(request, grpc_context)
             engine_id = _engine_id(rid)
             sched = self._scheduling(priority, grpc_context, engine_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
         acc = OutputAccumulator()
         try:
@@ -141,7 +141,7 @@ class GrpcAdapter:
                         prompt_token_ids=ids,
                     )
                 )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc")
 
@@ -152,7 +152,7 @@ class GrpcAdapter:
             self.frontend.authorize(_authorization(grpc_context))
             self._message(request, pb.ListProcessorsRequest)
             return processors_pb(self.frontend.processors.describe())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
 
     # -- grpc.health.v1.Health: open, like HTTP's /health ----------------------------------
@@ -171,7 +171,7 @@ class GrpcAdapter:
             if msg.service not in HEALTH_SERVICES:
                 raise reject(grpc_context, grpc.StatusCode.NOT_FOUND, f"service: unknown service {msg.service[:128]!r}")
             return await self._status()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
 
     async def list_health(
@@ -182,7 +182,7 @@ class GrpcAdapter:
             self._message(request, health_pb2.HealthListRequest)
             status = await self._status()
             return health_pb2.HealthListResponse(statuses={name: status for name in HEALTH_SERVICES})
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
 
     async def watch(

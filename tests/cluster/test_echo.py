@@ -48,7 +48,7 @@ def test_echo_only_asks_for_one_token_and_prompt_logprobs():
 
 
 def test_max_tokens_0_without_echo_is_still_rejected():
-    with pytest.raises(ValueError, match="^max_tokens: "):
+    with pytest.raises(ValueError, match=r"^max_tokens: "):
         CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0}).sampling_params()
 
 

@@ -21,6 +21,7 @@ from cluster import frontend as frontend_module
 from cluster.app import build_app
 from cluster.config import LogitpoolConfig
 from cluster.frontend import Frontend
+from cluster.grpc_servicers import GrpcRejected
 from cluster.openai.adapter import HttpAdapter
 from cluster.openai.routes import build_api
 from cluster.pool_stats import PoolSnapshot
@@ -86,7 +87,7 @@ def events(r: httpx.Response) -> list[Any]:
 def test_dispatch_sends_token_ids_and_validated_params(fe: Frontend) -> None:
     r = http(fe, "POST", "/v1/completions", {"prompt": "def main(", "max_tokens": 3, "temperature": 0.5})
     assert r.status_code == 200, r.text
-    ((rid, prompt, params),) = FakeEngine.seen
+    ((_rid, prompt, params),) = FakeEngine.seen
     assert prompt == fe.tokenizer.encode("def main(")  # tokenized once, at the front end
     assert params.max_tokens == 3 and params.temperature == 0.5
     choice = r.json()["choices"][0]
@@ -248,7 +249,7 @@ def test_grpc_errors_set_the_status(
     FakeEngine.mode = mode
     ctx = _ctx(key)
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[8]), params=pb.SamplingParams(**params))
-    with pytest.raises(Exception):
+    with pytest.raises(GrpcRejected):
         asyncio.run(GrpcAdapter(fe).generate(req, ctx))
     assert ctx.code() == code
 

@@ -188,11 +188,11 @@ def test_grpc_deep_extra_args_are_invalid_argument(channel):
 
 
 def test_grpc_applies_the_same_limits(client):
-    with pytest.raises(InvalidArgument, match="limits.max_n"):
+    with pytest.raises(InvalidArgument, match=r"limits.max_n"):
         client.generate("x", n=2000)
-    with pytest.raises(InvalidArgument, match="limits.max_extra_args_keys"):
+    with pytest.raises(InvalidArgument, match=r"limits.max_extra_args_keys"):
         client.generate("x", extra_args={f"k{i}": i for i in range(10_000)})
-    with pytest.raises(InvalidArgument, match="limits.max_stop"):
+    with pytest.raises(InvalidArgument, match=r"limits.max_stop"):
         client.generate("x", bad_words=["w"] * 100)
     assert len(client.generate("x", max_tokens=2, ignore_eos=True).token_ids) == 2
 

@@ -175,7 +175,7 @@ def test_grpc_applies_the_same_response_limit(fe: Frontend) -> None:
     req = pb.GenerateRequest(
         prompt_token_ids=pb.TokenIds(ids=[8] * 10), params=pb.SamplingParams(max_tokens=600, logprobs=3)
     )
-    with pytest.raises(GrpcRejected, match="limits.max_response_logprobs") as err:
+    with pytest.raises(GrpcRejected, match=r"limits.max_response_logprobs") as err:
         asyncio.run(GrpcAdapter(fe).generate(req, ctx))
     assert err.value.code == ctx.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "limits.max_response_logprobs" in ctx.details() and FakeEngine.seen == []

@@ -77,16 +77,16 @@ def test_depth_scan_equals_the_parsed_depth(value, limit):
 def test_nesting_100k_deep_is_rejected_without_recursion():
     for depth in (100_000, 500):
         body = b'{"prompt":"x","vllm_xargs":' + b'{"a":' * depth + b"1" + b"}" * depth + b"}"
-        with pytest.raises(ValueError, match="limits.max_json_depth"):
+        with pytest.raises(ValueError, match=r"limits.max_json_depth"):
             parse_json(Limits(max_body_bytes=10 << 20), body)
         body = b"[" * depth + b"]" * depth
-        with pytest.raises(ValueError, match="limits.max_json_depth"):
+        with pytest.raises(ValueError, match=r"limits.max_json_depth"):
             parse_json(Limits(max_body_bytes=10 << 20), body)
     assert sys.getrecursionlimit() < 100_000
 
 
 def test_body_size_and_strict_json():
-    with pytest.raises(PayloadTooLarge, match="limits.max_body_bytes") as err:
+    with pytest.raises(PayloadTooLarge, match=r"limits.max_body_bytes") as err:
         parse_json(Limits(max_body_bytes=10), b'{"prompt": "0123456789"}')
     assert classify(err.value).http == 413
     for bad in (b'{"logit_bias": {"5": NaN}}', b'{"x": Infinity}', b'{"x": -Infinity}', b'{"x": 1e400}'):
@@ -151,10 +151,10 @@ def _nested(depth: int) -> dict:
 
 
 def test_extra_args_depth_is_checked_without_recursion():
-    with pytest.raises(ValueError, match="limits.max_extra_args_depth"):
+    with pytest.raises(ValueError, match=r"limits.max_extra_args_depth"):
         check_request(LIMITS, SamplingParams(extra_args=_nested(50)), 1)
     # Far past any limit, SamplingParams' own backstop answers first, still a ValueError.
-    with pytest.raises(ValueError, match="^extra_args"):
+    with pytest.raises(ValueError, match=r"^extra_args"):
         SamplingParams(extra_args=_nested(5000))
     check_request(LIMITS, SamplingParams(extra_args={"a": {"b": [1, {"c": 2}]}}), 1)
 
@@ -203,7 +203,7 @@ def test_the_proxy_defers_parsing_and_a_malformed_message_is_a_value_error():
     assert shallow.params.extra_args["a"].HasField("list_value")
     ok = defer(pb.GenerateRequest(prompt="hi").SerializeToString()).parse(pb.GenerateRequest)
     assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "hi"
-    with pytest.raises(ValueError, match="not a valid logitpool.v1.ListProcessorsRequest"):
+    with pytest.raises(ValueError, match=r"not a valid logitpool.v1.ListProcessorsRequest"):
         defer(b"").parse(pb.ListProcessorsRequest)  # a message of another method's type
 
 
@@ -292,7 +292,7 @@ def test_json_in_another_encoding_is_415(encoding):
     from cluster.limits import UnsupportedMediaType
 
     for text in ('{"structured_outputs": {"regex": "\\ud800"}}', '{"prompt": "x", "model": "\\udfff"}', "{}"):
-        with pytest.raises(UnsupportedMediaType, match="^body: JSON must be UTF-8") as err:
+        with pytest.raises(UnsupportedMediaType, match=r"^body: JSON must be UTF-8") as err:
             parse_json(LIMITS, text.encode(encoding))
         assert classify(err.value).http == 415
 
@@ -318,7 +318,7 @@ def test_no_json_value_is_accepted_in_another_encoding(value, encoding):
 
 def test_bytes_that_are_not_utf8_are_400_naming_the_body():
     for bad in (b'{"prompt": "\xed\xa0\x80"}', b'{"prompt": "\xc0\xaf"}', b'{"prompt": "\xff"}'):
-        with pytest.raises(ValueError, match="^body: not valid UTF-8") as err:
+        with pytest.raises(ValueError, match=r"^body: not valid UTF-8") as err:
             parse_json(LIMITS, bad)
         assert classify(err.value).http == 400
 

@@ -289,7 +289,7 @@ def _load(target: str, stop: threading.Event, errors: list) -> None:
         while not stop.is_set():
             try:
                 c.generate("load", max_tokens=16, ignore_eos=True)
-            except Exception as exc:  # collected, asserted by the test
+            except Exception as exc:  # noqa: BLE001 - collected, asserted by the test
                 errors.append(exc)
 
 
@@ -373,7 +373,7 @@ def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
                 for _ in c.stream("forever", max_tokens=1900, ignore_eos=True):
                     pass
                 outcomes.append(("grpc", "completed", time.monotonic()))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - collected, asserted by the test
                 outcomes.append(("grpc", exc, time.monotonic()))
 
     def http_call():
@@ -423,7 +423,7 @@ def test_requests_avoid_a_replica_whose_engine_died(serving):
     base = f"http://127.0.0.1:{serving.server.http_port}"
     codes = []
     with Client(f"127.0.0.1:{serving.server.grpc_port}", timeout=60, max_retries=0) as c:
-        for i in range(12):
+        for _i in range(12):
             codes.append(
                 httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code
             )

@@ -90,6 +90,7 @@ def _banner_curl_works(lines: list[str], env: dict[str, str]) -> None:
         capture_output=True,
         text=True,
         timeout=90,
+        check=False,
     )
     assert out.stdout.endswith(" 200"), (curl, out.stdout[-500:], out.stderr[-500:])
 

@@ -140,9 +140,9 @@ def test_grpc_oneof_and_invalid_argument(grpc_client):
     assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
     out = grpc_client.generate("p", max_tokens=64, seed=3, structured_outputs={"json": Verdict.model_json_schema()})
     Verdict.model_validate_json(out.text)
-    with pytest.raises(InvalidArgument, match="structured_outputs.json: invalid JSON schema"):
+    with pytest.raises(InvalidArgument, match=r"structured_outputs.json: invalid JSON schema"):
         grpc_client.generate("p", max_tokens=4, structured_outputs={"json": {"type": "objekt"}})
-    with pytest.raises(InvalidArgument, match="structured_outputs.json: invalid JSON schema: minItems is greater"):
+    with pytest.raises(InvalidArgument, match=r"structured_outputs.json: invalid JSON schema: minItems is greater"):
         grpc_client.generate(
             "p", max_tokens=4, structured_outputs={"json": {"type": "array", "minItems": 5, "maxItems": 2}}
         )

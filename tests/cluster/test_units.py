@@ -144,7 +144,7 @@ def test_sampling_params_survive_the_wire(fields: dict) -> None:
 def test_prompt_oneof() -> None:
     assert prompt_from_pb(pb.GenerateRequest(prompt="hi")) == "hi"
     assert prompt_from_pb(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2]))) == [1, 2]
-    with pytest.raises(ValueError, match="^prompt: "):
+    with pytest.raises(ValueError, match=r"^prompt: "):
         prompt_from_pb(pb.GenerateRequest())
 
 

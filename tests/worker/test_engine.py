@@ -3,6 +3,8 @@ feature through `LLM`, custom processors loaded three ways, failure isolation.""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -318,7 +320,7 @@ def test_logprobs_ranks_and_cumulative(tiny_model):
         else:
             assert position[tok].rank > 3 and ranks[:3] == [1, 2, 3]
         by_rank = sorted(position.values(), key=lambda lp: lp.rank)
-        assert all(a.logprob >= b.logprob for a, b in zip(by_rank, by_rank[1:]))
+        assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(by_rank))
         total += position[tok].logprob
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
@@ -338,7 +340,7 @@ def test_n_greater_than_one(tiny_model):
 def test_generate_validates_everything_before_admitting(tiny_model):
     llm = make_llm(tiny_model, logits_processors=[DUMMY_FQCN])
     prompts = prompts_of(tiny_model, 3, seed=14)
-    with pytest.raises(ValueError, match="request 2: .*target_token"):
+    with pytest.raises(ValueError, match=r"request 2: .*target_token"):
         llm.generate(prompts, [SamplingParams(), SamplingParams(), SamplingParams(extra_args={"target_token": 1.5})])
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="logit_bias"):

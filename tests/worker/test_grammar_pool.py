@@ -167,7 +167,7 @@ def test_a_compile_that_waits_past_the_queue_bound_is_busy(pools: list[GrammarPo
     slow: list[object] = []
     in_thread(lambda: compiler(pool, timeout_s=300.0).compile(heavy()), slow)
     eventually(lambda: pool.stats().heavy_running == 1, "the heavy lane taken")
-    with pytest.raises(CompileBusy, match="^structured_outputs.json: every grammar compile worker is busy") as info:
+    with pytest.raises(CompileBusy, match=r"^structured_outputs.json: every grammar compile worker is busy") as info:
         compiler(pool, timeout_s=60.0).compile(MEDIUM)
     assert info.value.http_status == 503
 

@@ -9,6 +9,7 @@ and later re-added with its live output list).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import pytest
 import torch
@@ -186,7 +187,7 @@ class OracleProcessor(LogitsProcessor):
     (added at row 0 when it joined, ``update_state(None)`` after). Logits pass through unchanged.
     """
 
-    instances: list[OracleProcessor] = []
+    instances: ClassVar[list[OracleProcessor]] = []
 
     def __init__(self, config, device, is_pin_memory) -> None:
         self.args = (config, device, is_pin_memory)

@@ -30,7 +30,7 @@ EOS = V - 1
 # A 64-token vocabulary whose tokens the harness draws often (CharTokenizer's ids of "abcde")
 # are the letters the constraints below are made of, so rows live for many steps.
 _HOT = {CharTokenizer(V).encode(ch)[0]: ch for ch in "abcde"}
-_FILL = list('{}[]":, 0123456789xyzfghijklmnopqrstuvw') + ["ab", "cd", "true", "false", "null", '{"', '":', '"}']
+_FILL = [*list('{}[]":, 0123456789xyzfghijklmnopqrstuvw'), "ab", "cd", "true", "false", "null", '{"', '":', '"}']
 
 
 def _vocab() -> list[str]:
@@ -91,7 +91,7 @@ def test_conforms_under_churn_with_random_constraints(compiler: StructuredCompil
 
 
 def test_mask_follows_the_live_output_and_eos_only_where_accepted(compiler: StructuredCompiler) -> None:
-    a, b, c, d, e = (CharTokenizer(V).encode(ch)[0] for ch in "abcde")
+    a, b, _c, d, _e = (CharTokenizer(V).encode(ch)[0] for ch in "abcde")
     proc = StructuredOutputsLogitsProcessor(None, torch.device("cpu"), False)
     free = SamplingParams()
     (out0, _) = _add(proc, _constrained({"choice": ["abc", "bad"]}, compiler), free)
@@ -107,7 +107,7 @@ def test_mask_follows_the_live_output_and_eos_only_where_accepted(compiler: Stru
 
 def test_rejected_token_kills_only_its_row(compiler: StructuredCompiler) -> None:
     proc = StructuredOutputsLogitsProcessor(None, torch.device("cpu"), False)
-    out0, out1 = _add(proc, _constrained({"regex": "[a-e]+"}, compiler), _constrained({"regex": "[a-e]+"}, compiler))
+    out0, _out1 = _add(proc, _constrained({"regex": "[a-e]+"}, compiler), _constrained({"regex": "[a-e]+"}, compiler))
     out0.append(VOCAB.index("{"))  # only possible when something bypassed the mask
     dead, alive = _allowed(proc, 2)
     assert dead == set()

