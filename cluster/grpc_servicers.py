@@ -118,7 +118,8 @@ def _deferred(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         return handler
     descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
     message_type = descriptor.full_name if descriptor is not None else "request"
-    return handler._replace(request_deserializer=lambda raw: WireRequest(message_type, raw))
+    # grpc's handlers are namedtuples at runtime; the stub's abstract class has no `_replace`.
+    return handler._replace(request_deserializer=lambda raw: WireRequest(message_type, raw))  # type: ignore[attr-defined]
 
 
 def _clean_details(context: grpc.aio.ServicerContext) -> None:
@@ -187,4 +188,5 @@ def add_LogitPoolServicer_to_server(servicer: Any, server: Any) -> None:
 
 
 def add_HealthServicer_to_server(servicer: Any, server: Any) -> None:
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, _ProxyServer(server))
+    # The stub wants a grpc.Server; the generated code only calls the registration methods the proxy has.
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, _ProxyServer(server))  # type: ignore[arg-type]

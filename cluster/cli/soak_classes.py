@@ -183,7 +183,10 @@ def nested_extra_args_request(depth: int) -> bytes:
 def grpc_hostile() -> list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]:
     def raw(payload: bytes) -> Callable[[AsyncClient], Awaitable[Any]]:
         async def call(c: AsyncClient) -> Any:
-            rpc = c._channel.unary_unary("/logitpool.v1.LogitPool/Generate")  # bytes in, bytes out
+            # bytes in, bytes out
+            rpc: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = c._channel.unary_unary(
+                "/logitpool.v1.LogitPool/Generate"
+            )
             return await rpc(payload, timeout=60, metadata=c._metadata)
 
         return call

@@ -324,11 +324,11 @@ def echoed(c: CompletionOutput, e: Echo) -> CompletionOutput:
         e.text + c.text,
         [*e.token_ids, *c.token_ids],
         c.cumulative_logprob,
-        lps,
+        lps,  # type: ignore[arg-type]
         c.finish_reason,
         c.stop_reason,
         c.error,
-    )  # type: ignore[arg-type]
+    )
 
 
 def after_echo(c: CompletionOutput, e: Echo) -> CompletionOutput:
