@@ -119,8 +119,8 @@ async def amain(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         load_entry_points=False,
     )
-    engine = AsyncEngine(EngineConfig(model=path, **sizes), loaded=loaded)  # type: ignore[arg-type]
-    offline = LLM(loaded=loaded, **sizes)  # type: ignore[arg-type]
+    engine = AsyncEngine(EngineConfig(model=path, **sizes), loaded=loaded)
+    offline = LLM(loaded=loaded, **sizes)
     print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB per engine; model {path}")
     peer: list[tuple[PeerWorkload, str, float, list[list[int]]]] = []  # (workload, unit, ours, our tokens)
     chosen = set(args.workload)

@@ -74,10 +74,13 @@ async def measure(
 ) -> Fairness:
     engine = AsyncEngine(
         EngineConfig(
-            max_num_seqs=rows, max_num_batched_tokens=max(2048, rows), load_entry_points=False, scheduling_policy=policy
+            max_num_seqs=rows,
+            max_num_batched_tokens=max(2048, rows),
+            load_entry_points=False,
+            scheduling_policy=policy,  # type: ignore[arg-type]
         ),
         loaded=loaded,
-    )  # type: ignore[arg-type]
+    )
     g = torch.Generator().manual_seed(5)
     prompts = [
         torch.randint(10, loaded.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(hog_prompts + 1)
