@@ -138,18 +138,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
     wait_ready(host, cfg.server.http_port)
-    session_path: Path | None = _session_path(args)
-    if session.owned_by_another(session_path):
+    path = _session_path(args)
+    session_path: Path | None = path
+    if session.owned_by_another(path):
         print(
-            f"note: another `logitpool serve` owns {session_path}; `status`/`scale` of this one are not "
+            f"note: another `logitpool serve` owns {path}; `status`/`scale` of this one are not "
             "available (start it with --session PATH)",
             file=sys.stderr,
         )
         session_path = None
     else:
-        session.write(
-            session_path, ray.get_runtime_context().gcs_address, cfg.model_dump(mode="json", exclude={"api_keys"})
-        )
+        session.write(path, ray.get_runtime_context().gcs_address, cfg.model_dump(mode="json", exclude={"api_keys"}))
     print(
         "\n".join(
             banner(

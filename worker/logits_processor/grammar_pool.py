@@ -279,8 +279,8 @@ class _Manager:
     def _close(self) -> None:
         for p in list(self.procs):
             self._kill(p, Verdict(Outcome.UNAVAILABLE, "the compile pool shut down"))
-        for t in [*self.light, *self.heavy]:
-            t.finish(Verdict(Outcome.UNAVAILABLE, "the compile pool shut down"))
+        for task in [*self.light, *self.heavy]:
+            task.finish(Verdict(Outcome.UNAVAILABLE, "the compile pool shut down"))
         self.light.clear()
         self.heavy.clear()
         while True:
