@@ -344,6 +344,7 @@ class StructuredCompiler:
             return hit
         if rejected is not None:
             raise self._error(so, rejected)
+        assert fut is not None  # neither a hit nor a rejection: set under the lock above
         if owner:
             try:
                 self._dispatch.submit(self._run, key, fut)
