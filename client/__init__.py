@@ -7,8 +7,8 @@ Usage:
         c.generate("Hello", max_tokens=8, temperature=0.0, extra_args={"target_token": 67})
 """
 
-from client.convert import extra_args_from_pb, json_from_pb, json_to_pb
 from client.aio import AsyncClient, AsyncStream
+from client.convert import extra_args_from_pb, json_from_pb, json_to_pb
 from client.errors import (
     DeadlineExceeded,
     InternalError,

@@ -110,9 +110,7 @@ class Client:
     def health(self, service: str = "", *, timeout: float | None = None) -> bool:
         """grpc.health.v1 Check: True when SERVING; False when not serving or not reachable."""
         try:
-            raw = self._health(
-                convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata
-            )
+            raw = self._health(convert.health_request(service), timeout=self._seconds(timeout), metadata=self._metadata)
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
             if isinstance(err, (Unavailable, DeadlineExceeded)) or err.code == grpc.StatusCode.NOT_FOUND:

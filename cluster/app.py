@@ -8,8 +8,8 @@ from typing import Any
 from ray import serve
 
 from cluster.config import LogitpoolConfig
-from cluster.ingress import IngressDeployment
 from cluster.deploy.serve_config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, deployment_options
+from cluster.ingress import IngressDeployment
 from cluster.worker_deployment import EngineFactory, WorkerDeployment
 from worker.async_engine import AsyncEngine
 from worker.logits_processor.registry import fqcn_of, resolve_processor_class
@@ -48,9 +48,9 @@ def build_app(
     """The application; `engine_factory` builds each worker replica's engine from its EngineConfig
     (by reference: a class or module-level function, so it pickles)."""
     if processors:
-        cfg = cfg.with_overrides(**{
-            "engine.logits_processors": cfg.engine.logits_processors + processor_fqcns(processors)
-        })
+        cfg = cfg.with_overrides(
+            **{"engine.logits_processors": cfg.engine.logits_processors + processor_fqcns(processors)}
+        )
     cfg = resolve_model(cfg)
     opts = deployment_options(cfg)
     worker = WorkerDeployment.options(**opts[WORKER_DEPLOYMENT]).bind(

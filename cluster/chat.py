@@ -13,9 +13,7 @@ from worker.sampling_params import INT64_MAX, SamplingParams
 Turn = tuple[str, str]
 
 # Used when the tokenizer has no chat template of its own (documented in the README).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
-)
+DEFAULT_CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
 
 
 def render_chat(tokenizer: Any, turns: Sequence[Turn]) -> str:

@@ -33,7 +33,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
 from pydantic_core import InitErrorDetails
 
 from cluster.limits import Limits
@@ -87,9 +86,10 @@ def _engine_keys(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     if isinstance(value, Mapping):
         unknown = [k for k in value if k not in ENGINE_FIELDS]
         if unknown:
-            raise ValidationError.from_exception_data("EngineConfig", [
-                InitErrorDetails(type="extra_forbidden", loc=(str(k),), input=value[k]) for k in unknown
-            ])
+            raise ValidationError.from_exception_data(
+                "EngineConfig",
+                [InitErrorDetails(type="extra_forbidden", loc=(str(k),), input=value[k]) for k in unknown],
+            )
     return handler(value)
 
 
@@ -107,8 +107,7 @@ def _engine_rules(engine: WorkerEngineConfig) -> WorkerEngineConfig:
     # Every running sequence decodes one token per step, so a step must fit them all.
     if engine.max_num_batched_tokens < engine.max_num_seqs:
         raise ValueError(
-            f"max_num_batched_tokens ({engine.max_num_batched_tokens}) must be >= "
-            f"max_num_seqs ({engine.max_num_seqs})"
+            f"max_num_batched_tokens ({engine.max_num_batched_tokens}) must be >= max_num_seqs ({engine.max_num_seqs})"
         )
     return engine
 
@@ -133,8 +132,7 @@ class AutoscalingConfig(_Frozen):
     def _bounds_ordered(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(
-                f"autoscaling min_replicas ({self.min_replicas}) must be <= "
-                f"max_replicas ({self.max_replicas})"
+                f"autoscaling min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})"
             )
         return self
 
@@ -157,9 +155,7 @@ class WorkerDeploymentConfig(_Frozen):
     @model_validator(mode="after")
     def _replicas_exclusive(self) -> WorkerDeploymentConfig:
         if self.num_replicas is not None and self.autoscaling is not None:
-            raise ValueError(
-                "workers.num_replicas and workers.autoscaling are mutually exclusive; set one"
-            )
+            raise ValueError("workers.num_replicas and workers.autoscaling are mutually exclusive; set one")
         return self
 
 
@@ -294,9 +290,8 @@ class LogitpoolConfig(_Frozen):
 
 def _expand_dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if isinstance(value, BaseModel):
-            value = value.model_dump()
+    for key, raw in overrides.items():
+        value = raw.model_dump() if isinstance(raw, BaseModel) else raw
         for part in reversed(key.split(".")):
             value = {part: value}
         nested = _deep_merge(nested, value)

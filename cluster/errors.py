@@ -74,7 +74,9 @@ def classify(exc: BaseException) -> Status:
     if isinstance(exc, ValidationError):
         return Status(400, grpc.StatusCode.INVALID_ARGUMENT, _validation_message(exc), "invalid_request_error")
     if isinstance(exc, ValueError):  # 400 unless it says otherwise (cluster.limits.RequestRejected)
-        return Status(getattr(exc, "http_status", 400), grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_request_error")
+        return Status(
+            getattr(exc, "http_status", 400), grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid_request_error"
+        )
     if isinstance(exc, BackPressureError):
         return Status(503, grpc.StatusCode.RESOURCE_EXHAUSTED, "server overloaded, retry later", "overloaded")
     if isinstance(exc, _UNAVAILABLE):

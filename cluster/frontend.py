@@ -55,6 +55,7 @@ def check_prompts(prompts: list[str | list[int]]) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompt: must not be empty")
 
+
 # Prompts up to this many characters (or token ids) in all are checked on the event loop: less
 # work than a hop to a thread. Longer ones are tokenized (and chat templates rendered) on one of
 # TOKENIZE_THREADS threads, so /health and other requests never wait behind them.
@@ -78,8 +79,9 @@ class Frontend:
         self.processors: LogitsProcessors = build_logits_processors(
             engine, torch.device("cpu"), False, custom=engine.logits_processors, entry_points=engine.load_entry_points
         )
-        self.validator = RequestValidator(self.tokenizer, vocab_size, self.max_model_len, engine.max_logprobs,
-                                          self.processors)
+        self.validator = RequestValidator(
+            self.tokenizer, vocab_size, self.max_model_len, engine.max_logprobs, self.processors
+        )
         self.api_keys = ApiKeys(cfg.resolve_api_keys(os.environ))
         self.limits = cfg.limits
         self.metrics = Metrics()
@@ -89,7 +91,8 @@ class Frontend:
         self._pool = pool
         self._backend = self.tokenizer.backend_tokenizer
         self.max_prompt_chars = prompt_bound.max_prompt_chars(
-            prompt_bound.max_chars_per_token(self._backend), self.max_model_len)
+            prompt_bound.max_chars_per_token(self._backend), self.max_model_len
+        )
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="logitpool-tokenize")
 
     # -- requests in -----------------------------------------------------------------------
@@ -115,11 +118,14 @@ class Frontend:
         """A text prompt that cannot fit the context, refused from its length (cluster.prompt_bound)."""
         bound = self.max_prompt_chars
         if isinstance(prompt, str) and bound is not None and len(prompt) > bound:
-            raise ValueError(f"{field}: {len(prompt)} characters cannot fit in max_model_len ({self.max_model_len}) "
-                             f"tokens: at most {bound} can, for this tokenizer")
+            raise ValueError(
+                f"{field}: {len(prompt)} characters cannot fit in max_model_len ({self.max_model_len}) "
+                f"tokens: at most {bound} can, for this tokenizer"
+            )
 
-    def check_request(self, params: SamplingParams, prompts: list[str | list[int]],
-                      shape: ResponseShape = ONCE) -> list[list[int]]:
+    def check_request(
+        self, params: SamplingParams, prompts: list[str | list[int]], shape: ResponseShape = ONCE
+    ) -> list[list[int]]:
         """Limits, then validate and tokenize, then max_tokens against the context, then the
         response's size; raises ValueError naming the field (both protocols). ``shape``: how the
         protocol's response lays out logprobs."""
@@ -143,8 +149,9 @@ class Frontend:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def prepare(self, params: SamplingParams, prompts: list[str | list[int]],
-                      shape: ResponseShape = ONCE) -> list[list[int]]:
+    async def prepare(
+        self, params: SamplingParams, prompts: list[str | list[int]], shape: ResponseShape = ONCE
+    ) -> list[list[int]]:
         """check_request, off the event loop when there is much to tokenize or a grammar to compile."""
         return await self._off_loop(params, sum(map(len, prompts)), self.check_request, params, prompts, shape)
 
@@ -219,7 +226,9 @@ class Frontend:
 
     # -- accounting and readiness ----------------------------------------------------------
 
-    def count_ok(self, protocol: str, outs: list[RequestOutput] | tuple[RequestOutput, ...] = (), tokens: int = 0) -> None:
+    def count_ok(
+        self, protocol: str, outs: list[RequestOutput] | tuple[RequestOutput, ...] = (), tokens: int = 0
+    ) -> None:
         self.metrics.request(protocol, 200 if protocol == "http" else "OK", outs, tokens=tokens)
 
     def count_error(self, status: Status, protocol: str) -> None:

@@ -21,11 +21,11 @@ from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster import pool_stats
 from cluster.config import LogitpoolConfig
 from cluster.frontend import Frontend
-from cluster.rpc.service import GrpcAdapter
 from cluster.grpc_servicers import WireRequest
 from cluster.openai.adapter import HttpAdapter
 from cluster.openai.routes import build_api
 from cluster.replica_bind import bind_replica_grpc_to_node_ip
+from cluster.rpc.service import GrpcAdapter
 
 
 def _app_name(cfg: LogitpoolConfig) -> str:
@@ -52,31 +52,27 @@ class LogitpoolIngress:
     # -- gRPC: logitpool.v1.LogitPool and grpc.health.v1.Health ----------------------------
     # Requests arrive unparsed (a WireRequest, cluster.grpc_servicers); the adapter parses them.
 
-    async def Generate(self, request: WireRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:  # noqa: N802
+    async def Generate(self, request: WireRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
         return await self.grpc.generate(request, grpc_context)
 
-    async def GenerateStream(  # noqa: N802
+    async def GenerateStream(
         self, request: WireRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         async for msg in self.grpc.generate_stream(request, grpc_context):
             yield msg
 
-    async def ListProcessors(  # noqa: N802
+    async def ListProcessors(
         self, request: WireRequest, grpc_context: RayServegRPCContext
     ) -> pb.ListProcessorsResponse:
         return await self.grpc.list_processors(request, grpc_context)
 
-    async def Check(  # noqa: N802
-        self, request: WireRequest, grpc_context: RayServegRPCContext
-    ) -> health_pb2.HealthCheckResponse:
+    async def Check(self, request: WireRequest, grpc_context: RayServegRPCContext) -> health_pb2.HealthCheckResponse:
         return await self.grpc.check(request, grpc_context)
 
-    async def List(  # noqa: N802
-        self, request: WireRequest, grpc_context: RayServegRPCContext
-    ) -> health_pb2.HealthListResponse:
+    async def List(self, request: WireRequest, grpc_context: RayServegRPCContext) -> health_pb2.HealthListResponse:
         return await self.grpc.list_health(request, grpc_context)
 
-    async def Watch(  # noqa: N802
+    async def Watch(
         self, request: WireRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         async for msg in self.grpc.watch(request, grpc_context):

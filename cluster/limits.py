@@ -97,8 +97,10 @@ class Limits(BaseModel):
     def _sequences_cover_n_and_prompts(self) -> Limits:
         for name in ("max_n", "max_prompts"):
             if getattr(self, name) > self.max_sequences_per_request:
-                raise ValueError(f"limits.{name} ({getattr(self, name)}) must be <= limits.max_sequences_per_request "
-                                 f"({self.max_sequences_per_request})")
+                raise ValueError(
+                    f"limits.{name} ({getattr(self, name)}) must be <= limits.max_sequences_per_request "
+                    f"({self.max_sequences_per_request})"
+                )
         return self
 
 
@@ -250,8 +252,13 @@ def check_request(limits: Limits, params: SamplingParams, num_prompts: int) -> N
     if params.logit_bias and len(params.logit_bias) > limits.max_logit_bias:
         raise _over("logit_bias", "entries", len(params.logit_bias), "max_logit_bias", limits.max_logit_bias)
     if params.allowed_token_ids is not None and len(params.allowed_token_ids) > limits.max_allowed_token_ids:
-        raise _over("allowed_token_ids", "ids", len(params.allowed_token_ids), "max_allowed_token_ids",
-                    limits.max_allowed_token_ids)
+        raise _over(
+            "allowed_token_ids",
+            "ids",
+            len(params.allowed_token_ids),
+            "max_allowed_token_ids",
+            limits.max_allowed_token_ids,
+        )
     if params.extra_args:
         _check_extra_args(limits, params.extra_args)
     so = params.structured_outputs
@@ -278,8 +285,9 @@ ONCE = ResponseShape()
 """Chat's and gRPC's shape: prompt logprobs once per response, no echo."""
 
 
-def response_logprobs(params: SamplingParams, prompt_lens: Sequence[int], max_model_len: int,
-                      shape: ResponseShape = ONCE) -> int:
+def response_logprobs(
+    params: SamplingParams, prompt_lens: Sequence[int], max_model_len: int, shape: ResponseShape = ONCE
+) -> int:
     """Upper bound on the logprob entries (a token and each of its top-k, one entry each) in a
     response: per prompt of L tokens, with k = logprobs, kp = prompt_logprobs and at most M
     generated tokens, ``n × M × (k + 1)`` plus ``copies × L × (kp + 1)``, where copies is 1, or
@@ -295,8 +303,9 @@ def response_logprobs(params: SamplingParams, prompt_lens: Sequence[int], max_mo
     return total
 
 
-def check_response(limits: Limits, params: SamplingParams, prompt_lens: Sequence[int], max_model_len: int,
-                   shape: ResponseShape = ONCE) -> None:
+def check_response(
+    limits: Limits, params: SamplingParams, prompt_lens: Sequence[int], max_model_len: int, shape: ResponseShape = ONCE
+) -> None:
     """The response a request asks for, bounded before admission (`limits.max_response_logprobs`)."""
     entries = response_logprobs(params, prompt_lens, max_model_len, shape)
     if entries > limits.max_response_logprobs:

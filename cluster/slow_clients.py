@@ -44,21 +44,28 @@ def proxy_env(read_timeout_s: float, max_header_bytes: int | None = None) -> dic
 
 def _error_response(status: int, reason: str, message: str) -> bytes:
     """The proxy's own answer, in the ingress's error shape (cluster.errors.error_body)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status,
-                                 "param": None}}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status, "param": None}}
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode()
     return head + body
 
 
 def _timeout_response(timeout_s: float) -> bytes:
-    return _error_response(408, "Request Timeout",
-                           f"request not received within limits.read_timeout_s ({timeout_s:g}s)")
+    return _error_response(
+        408, "Request Timeout", f"request not received within limits.read_timeout_s ({timeout_s:g}s)"
+    )
 
 
 def _header_response(max_header_bytes: int) -> bytes:
-    return _error_response(431, "Request Header Fields Too Large",
-                           f"request headers: more than limits.max_header_bytes ({max_header_bytes}) bytes")
+    return _error_response(
+        431,
+        "Request Header Fields Too Large",
+        f"request headers: more than limits.max_header_bytes ({max_header_bytes}) bytes",
+    )
 
 
 def _request_read(protocol: Any) -> bool:

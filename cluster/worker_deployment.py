@@ -61,7 +61,12 @@ class ServedEngine(Protocol):
     """The synchronous core: `runner.kv_cache_bytes` and `processors.describe()` are read."""
 
     def generate(
-        self, request_id: str, prompt: list[int] | str, params: SamplingParams, *, delta: bool = False,
+        self,
+        request_id: str,
+        prompt: list[int] | str,
+        params: SamplingParams,
+        *,
+        delta: bool = False,
         scheduling: Scheduling | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 

@@ -43,7 +43,9 @@ def fix_imports(source: str, top_packages: list[str]) -> str:
         source = re.sub(rf"^(\s*)import {name}\.", rf"\1import {PACKAGE_PREFIX}.{top}.", source, flags=re.M)
         # The module name the message classes are registered under: pickle (Serve's gRPC proxy
         # pickles requests to hand them to a replica) imports it back, so it must be the real one.
-        source = re.sub(rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')({name}\.)", rf"\1{PACKAGE_PREFIX}.\2", source)
+        source = re.sub(
+            rf"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, ')({name}\.)", rf"\1{PACKAGE_PREFIX}.\2", source
+        )
     return source
 
 
@@ -84,10 +86,7 @@ def generate(out: Path) -> list[Path]:
 def _replace_dir(src: Path, out: Path) -> None:
     """Swap ``out`` for ``src``, refusing to delete a folder holding anything but generated code."""
     if out.exists():
-        foreign = [
-            p for p in out.rglob("*")
-            if p.is_file() and p.suffix not in GENERATED_SUFFIXES + (".pyc",)
-        ]
+        foreign = [p for p in out.rglob("*") if p.is_file() and p.suffix not in (*GENERATED_SUFFIXES, ".pyc")]
         if foreign:
             raise SystemExit(f"refusing to replace {out}: it holds non-generated files {foreign[:3]}")
         shutil.rmtree(out)

@@ -67,8 +67,14 @@ def ray_cluster():
         num_gpus=2,  # declared only: GPU placement is tested without GPUs (tests/cluster/test_operator.py)
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_AUTH_MODE": "disabled", "LOGITPOOL_DEBUG_HOOKS": "1",
-                                  "LOGITPOOL_CACHE": os.environ.get("LOGITPOOL_CACHE", "")}},
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": pythonpath,
+                "RAY_AUTH_MODE": "disabled",
+                "LOGITPOOL_DEBUG_HOOKS": "1",
+                "LOGITPOOL_CACHE": os.environ.get("LOGITPOOL_CACHE", ""),
+            }
+        },
     )
     yield ray
     from ray import serve

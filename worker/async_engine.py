@@ -125,7 +125,12 @@ class AsyncEngine:
         self.engine.validate(params)
 
     async def generate(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, *, delta: bool = False,
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        delta: bool = False,
         scheduling: Scheduling | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request: cumulative by default, or per-step deltas.

@@ -47,8 +47,8 @@ def _top_k(p: SamplingParams) -> int:
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A request's own generator. Seeds span [-2**63, 2**64) (docs/sampling.md "Validation and ranges"); ``manual_seed`` takes
-    ``seed % 2**64`` (the same stream torch gives a negative seed)."""
+    """A request's own generator. Seeds span [-2**63, 2**64) (docs/sampling.md "Validation and ranges");
+    ``manual_seed`` takes ``seed % 2**64`` (the same stream torch gives a negative seed)."""
     return torch.Generator(device=device).manual_seed(seed % 2**64)
 
 
@@ -177,7 +177,8 @@ class PersistentBatch:
         new: Sequence[NewRequest],
         swaps: Sequence[tuple[int, int]] | SwapPolicy = (),
     ) -> BatchUpdate | None:
-        """Apply one step's changes (docs/sampling.md "Row layout" steps 1-5); None when nothing was added/removed/moved.
+        """Apply one step's changes (docs/sampling.md "Row layout" steps 1-5); None when nothing was
+        added/removed/moved.
 
         ``swaps`` is a list of row pairs, or a callable that receives the row order after steps
         1-4 (request ids) and returns the pairs. The whole update is planned and validated

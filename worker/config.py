@@ -83,8 +83,9 @@ class EngineConfig:
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if self.stream_buffer_outputs < 2:
             raise ValueError(f"stream_buffer_outputs: must be >= 2, got {self.stream_buffer_outputs}")
         if self.max_logprobs < 0:

@@ -23,23 +23,22 @@ import torch
 from worker.batch import PersistentBatch, seeded_generator
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer, rust_tokenizer
+from worker.kv.manager import KVCacheManager
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
-from worker.kv.manager import KVCacheManager
 from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
+from worker.model.runner import ModelRunner, ScheduledSeq, num_blocks_for
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.reorder import tail_swaps
 from worker.request import Request, Scheduling
-from worker.model.runner import ModelRunner, ScheduledSeq, num_blocks_for
 from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
 from worker.sampling_params import SamplingParams
 from worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from worker.validation import Prompt, RequestValidator
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -82,7 +81,9 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.max_model_len)
         self.pin_memory = self.device.type == "cuda"
         num_blocks = num_blocks_for(
-            loaded, config.block_size, kv_cache_bytes=config.kv_cache_bytes,
+            loaded,
+            config.block_size,
+            kv_cache_bytes=config.kv_cache_bytes,
             memory_fraction=config.kv_cache_memory_fraction,
             default_tokens=config.max_num_seqs * self.max_model_len,
         )
@@ -92,12 +93,17 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         logger.info(
             "KV storage: %d blocks x %d tokens = %d tokens, %.1f MiB; prefix caching %s",
-            num_blocks, config.block_size, self.kv.capacity_tokens, self.runner.kv_cache_bytes / 2**20,
+            num_blocks,
+            config.block_size,
+            self.kv.capacity_tokens,
+            self.runner.kv_cache_bytes / 2**20,
             "on" if config.enable_prefix_caching else "off",
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, kv=self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv=self.kv,
             policy=config.scheduling_policy,
         )
         self._build_batch_state()
@@ -117,8 +123,11 @@ class LLMEngine:
     def _build_batch_state(self) -> None:
         """Fresh persistent batch, processors and sampler (at start, and after a processor failed)."""
         self.processors: LogitsProcessors = build_logits_processors(
-            self.config, self.device, self.pin_memory,
-            custom=self.config.logits_processors, entry_points=self.config.load_entry_points,
+            self.config,
+            self.device,
+            self.pin_memory,
+            custom=self.config.logits_processors,
+            entry_points=self.config.load_entry_points,
         )
         self.batch = PersistentBatch(self.config.max_num_seqs, device=self.device, pin_memory=self.pin_memory)
         self.sampler = Sampler(self.processors, generator=self.generator)
@@ -162,8 +171,17 @@ class LLMEngine:
             detok = IncrementalDetokenizer(
                 self._backend, ids, stop=child_params.stop, skip_special_tokens=child_params.skip_special_tokens
             )
-            child = Request(child_id, request_id, i, ids, child_params, detok, group=scheduling.group or request_id,
-                            tenant=scheduling.tenant, priority=scheduling.priority)
+            child = Request(
+                child_id,
+                request_id,
+                i,
+                ids,
+                child_params,
+                detok,
+                group=scheduling.group or request_id,
+                tenant=scheduling.tenant,
+                priority=scheduling.priority,
+            )
             if child_params.seed is not None:
                 child.generator = seeded_generator(child_params.seed, self.device)
             children.append(child)
@@ -234,8 +252,11 @@ class LLMEngine:
     def kv_stats(self) -> dict[str, float]:
         """KV pool and prefix-cache counters for /metrics (blocks, hit rate, preemptions; those
         that gave a sequence below its fair share a row, worker.fairness)."""
-        return {**self.kv.stats(), "num_preemptions": self.scheduler.num_preemptions,
-                "num_fair_preemptions": self.scheduler.num_fair_preemptions}
+        return {
+            **self.kv.stats(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_fair_preemptions": self.scheduler.num_fair_preemptions,
+        }
 
     def batch_request_ids(self) -> list[str]:
         """The user request id of every row of the persistent batch, in row order."""
@@ -253,10 +274,15 @@ class LLMEngine:
                     # Never admitted, but answered: a caller waiting on it must not hang.
                     for child in item.children:
                         child.finish(FinishReason.ERROR, error=f"duplicate request id {item.request_id!r}")
-                    self._rejected.append(RequestOutput(
-                        item.request_id, item.prompt, item.prompt_token_ids,
-                        [self._delta(c) for c in item.children], True,
-                    ))
+                    self._rejected.append(
+                        RequestOutput(
+                            item.request_id,
+                            item.prompt,
+                            item.prompt_token_ids,
+                            [self._delta(c) for c in item.children],
+                            True,
+                        )
+                    )
                     continue
                 self._parents[item.request_id] = item
                 for child in item.children:
@@ -285,7 +311,7 @@ class LLMEngine:
         """
         try:
             return self._step()
-        except Exception as exc:  # not attributable to any phase: fail everyone, start clean
+        except Exception as exc:  # noqa: BLE001 - not attributable to any phase: fail everyone, start clean
             self._fail_everything(exc)
             return self._collect_outputs()
 
@@ -307,7 +333,7 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput | None:
         try:
             return self.scheduler.schedule()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a scheduler failure fails everyone, the engine goes on
             self._fail_everything(exc, phase="schedule")
             return None
 
@@ -316,7 +342,7 @@ class LLMEngine:
         joining = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sched.joining]
         try:
             update = self.batch.update(sched.finished_ids, joining, swaps=self._swaps)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a batch-update failure fails the batch, which is rebuilt
             in_batch = [self._requests[rid] for rid in self.batch.req_ids if rid in self._requests]
             self._fail_and_rebuild(in_batch + sched.joining, _phase_error("batch update", exc))
             return False
@@ -341,7 +367,7 @@ class LLMEngine:
         ]
         try:
             logits = self.runner.execute(seqs)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its sequences, not the engine
             # Rows leave the batch by the normal removal next step: processor state stays valid.
             logger.warning("model forward failed: %r; failing its %d sequences", exc, len(seqs))
             for c in rows + partial:
@@ -365,7 +391,7 @@ class LLMEngine:
                 return rows, self.sampler(work, self.batch.sampling_metadata(), pristine=logits)
             except ProcessorError as exc:
                 survivors = self._isolate(exc, [c.request for c in rows], logits)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a sampler failure fails these rows; the batch is rebuilt
                 self._fail_and_rebuild([c.request for c in rows], _phase_error("sampler", exc))
                 return None
             if not survivors:
@@ -386,7 +412,7 @@ class LLMEngine:
             req = chunk.request
             try:
                 self._fill_prompt_logprobs(self._parents[req.parent_id], chunk.start_pos, logits[offset : offset + m])
-            except Exception as exc:  # this request alone ends
+            except Exception as exc:  # noqa: BLE001 - this request alone ends
                 self._finish(req, FinishReason.ERROR, error=_phase_error("prompt logprobs", exc))
             offset += m
 
@@ -436,7 +462,7 @@ class LLMEngine:
                     req.new_logprobs.append(position)
                     req.cumulative_logprob = (req.cumulative_logprob or 0.0) + position[tok].logprob
                 self._check_stop(req, tok)
-            except Exception as exc:  # detokenizer / stop check of this one row
+            except Exception as exc:  # noqa: BLE001 - detokenizer / stop check of this one row
                 self._finish(req, FinishReason.ERROR, error=_phase_error("token append (detokenize, stop check)", exc))
             self._parents[req.parent_id].dirty.add(req.index)
 
@@ -444,6 +470,7 @@ class LLMEngine:
         self, k: int, ids: list[int], vals: list[float], sampled_rank: int, names: dict[int, str] | None = None
     ) -> PositionLogprobs:
         """``names``: the decoded text of every token in ``ids``, when already known."""
+
         def decode(tok: int) -> str:
             return names[tok] if names is not None else self._backend.decode([tok], skip_special_tokens=False)
 
@@ -502,6 +529,7 @@ class LLMEngine:
                 return part
             half = len(part) // 2
             return (bisect(part[:half]) + bisect(part[half:])) or part  # only together: blame them all
+
         try:
             rows = bisect(list(range(len(reqs))))
         except Exception:  # the replay itself broke: blame everyone
@@ -519,7 +547,7 @@ class LLMEngine:
                 for p in procs.every():
                     if type(p).__name__ == exc.processor:
                         x = p.apply(x)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure on replay means the processor fails on its own
             return True
         return False
 
@@ -567,7 +595,7 @@ class LLMEngine:
                 continue
             try:
                 deltas = [self._delta(parent.children[i]) for i in sorted(parent.dirty)]
-            except Exception as exc:  # this request's detokenizer broke: it alone ends
+            except Exception as exc:  # noqa: BLE001 - this request's detokenizer broke: it alone ends
                 deltas = self._error_deltas(parent, _phase_error("output collection", exc))
             parent.dirty.clear()
             finished = parent.finished

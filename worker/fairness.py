@@ -125,8 +125,12 @@ class Shares:
         return self.tenant_excess(req.tenant), self.group_excess(group_key(req)), req.priority, index
 
 
-def pick(policy: str, waiting: WaitingQueue, shares: Shares | None,
-         blocked: frozenset[GroupKey] | set[GroupKey] = frozenset()) -> Request | None:
+def pick(
+    policy: str,
+    waiting: WaitingQueue,
+    shares: Shares | None,
+    blocked: frozenset[GroupKey] | set[GroupKey] = frozenset(),
+) -> Request | None:
     """The next sequence to admit (the head of its group), skipping ``blocked`` groups."""
     heads = [(key, r) for key, r in waiting.heads() if key not in blocked]
     if not heads:
@@ -166,8 +170,7 @@ def fair_victim(req: Request, running: Sequence[Request], shares: Shares) -> Req
     if shares.tenant_excess(tenant) < 0:
         pool = [(i, r) for i, r in enumerate(running) if shares.tenant_excess(r.tenant) > 0]
     elif shares.group_excess(group_key(req)) < 0:
-        pool = [(i, r) for i, r in enumerate(running)
-                if r.tenant == tenant and shares.group_excess(group_key(r)) > 0]
+        pool = [(i, r) for i, r in enumerate(running) if r.tenant == tenant and shares.group_excess(group_key(r)) > 0]
     else:
         return None
     return max(pool, key=lambda ir: shares.victim_key(*ir))[1] if pool else None

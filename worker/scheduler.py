@@ -200,9 +200,7 @@ class Scheduler:
             elif len(self.running) >= self.max_num_seqs:
                 if not self._preempt_for(req, out, blocked):
                     return
-            elif not self._admit(req, hits, out) and not (
-                self._evict_paused() or self._preempt_for(req, out, blocked)
-            ):
+            elif not self._admit(req, hits, out) and not (self._evict_paused() or self._preempt_for(req, out, blocked)):
                 return
 
     def _preempt_for(self, req: Request, out: SchedulerOutput, blocked: set[fairness.GroupKey]) -> bool:
@@ -262,7 +260,8 @@ class Scheduler:
             return False
         nxt = req.block_hashes[num_hits]
         return any(
-            not r.in_batch and r.num_registered_blocks <= num_hits < len(r.block_hashes)
+            not r.in_batch
+            and r.num_registered_blocks <= num_hits < len(r.block_hashes)
             and r.block_hashes[num_hits] == nxt
             for r in self.running
         )

@@ -45,9 +45,7 @@ class StructuredOutputsParams:
             self.json_object = None
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(
-                f"structured_outputs: give exactly one of {', '.join(KINDS)}, got {given or 'none'}"
-            )
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(KINDS)}, got {given or 'none'}")
         self._check(given[0])
 
     def _check(self, kind: str) -> None:

@@ -68,8 +68,8 @@ async def amain(args: argparse.Namespace) -> None:
     model = args.model or str(build_tiny_model(default_model_path()))
     http_base, grpc_target = args.http, args.grpc
     if http_base is None or grpc_target is None:
-        from cluster.config import LogitpoolConfig
         from cluster.cli.launch import start_serve, wait_ready
+        from cluster.config import LogitpoolConfig
 
         cfg = LogitpoolConfig.model_validate(
             {

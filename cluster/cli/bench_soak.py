@@ -37,10 +37,29 @@ import httpx
 
 from client import AsyncClient, InternalError, LogitpoolError, Unavailable
 from cluster.cli import soak_classes as sc
-from cluster.limits import Limits
 from cluster.cli.soak_classes import (  # noqa: F401 - the kinds and outcomes, re-exported for callers
-    ALLOWED, AMPLIFY, CANCEL, CANCELLED, FAULT, FAULTED, HEAVY_GRAMMAR, HOG, HOSTILE, INNOCENT, OK, REJECTED,
-    HOSTILE_HTTP, STALL, STALLED, UNAVAILABLE, UNEXPECTED, WORDS, grpc_hostile, nested_extra_args_request)
+    ALLOWED,
+    AMPLIFY,
+    CANCEL,
+    CANCELLED,
+    FAULT,
+    FAULTED,
+    HEAVY_GRAMMAR,
+    HOG,
+    HOSTILE,
+    HOSTILE_HTTP,
+    INNOCENT,
+    OK,
+    REJECTED,
+    STALL,
+    STALLED,
+    UNAVAILABLE,
+    UNEXPECTED,
+    WORDS,
+    grpc_hostile,
+    nested_extra_args_request,
+)
+from cluster.limits import Limits
 from worker.bench.faults import FQCN as FAULT_FQCN
 
 WORKER_DEPLOYMENT = "LogitpoolWorker"
@@ -77,15 +96,20 @@ class SoakReport:
 
     def excused(self, o: Outcome) -> bool:
         """An innocent lost on the killed replica: started before the kill, ended after it."""
-        return (o.result == UNAVAILABLE and self.kill_time is not None
-                and o.start <= self.kill_time + 1.0 and o.end >= self.kill_time)
+        return (
+            o.result == UNAVAILABLE
+            and self.kill_time is not None
+            and o.start <= self.kill_time + 1.0
+            and o.end >= self.kill_time
+        )
 
     def violations(self) -> list[str]:
         allowed = ALLOWED
-        bad = []
-        for o in self.outcomes:
-            if o.result not in allowed[o.kind] and not self.excused(o):
-                bad.append(f"{o.kind}/{o.name}: {o.result} ({o.detail[:200]})")
+        bad = [
+            f"{o.kind}/{o.name}: {o.result} ({o.detail[:200]})"
+            for o in self.outcomes
+            if o.result not in allowed[o.kind] and not self.excused(o)
+        ]
         excused = sum(1 for o in self.outcomes if o.result not in allowed[o.kind] and self.excused(o))
         if self.killed_in_flight is not None and excused > self.killed_in_flight + 8:
             bad.append(f"{excused} requests failed at the kill; the replica held {self.killed_in_flight}")
@@ -109,8 +133,11 @@ class SoakReport:
         def overlaps(o: Outcome) -> bool:
             return any(o.start < end and start < o.end for start, end in spans)
 
-        lat = [o.end - o.start for o in self.outcomes
-               if o.kind == INNOCENT and o.result == OK and overlaps(o) == (kind is not None)]
+        lat = [
+            o.end - o.start
+            for o in self.outcomes
+            if o.kind == INNOCENT and o.result == OK and overlaps(o) == (kind is not None)
+        ]
         return (len(lat), statistics.median(lat), max(lat)) if lat else None
 
     def render(self) -> str:
@@ -124,18 +151,24 @@ class SoakReport:
         lines.append(f"\n{len(self.outcomes)} requests in {self.seconds:.1f} s")
         if self.kill_time is not None:
             lost = sum(1 for o in self.outcomes if o.kind == INNOCENT and self.excused(o))
-            lines.append(f"replica killed at {self.kill_time:.1f} s holding {self.killed_in_flight} sequences; "
-                         f"innocents lost with it: {lost}")
+            lines.append(
+                f"replica killed at {self.kill_time:.1f} s holding {self.killed_in_flight} sequences; "
+                f"innocents lost with it: {lost}"
+            )
         for pid, warm in self.rss_warm.items():
             if pid in self.rss_end:
-                lines.append(f"{self.roles.get(pid, 'worker')} pid {pid}: RSS {warm / 2**20:.0f} -> "
-                             f"{self.rss_end[pid] / 2**20:.0f} MiB ({self.rss_end[pid] / warm - 1:+.1%})")
+                lines.append(
+                    f"{self.roles.get(pid, 'worker')} pid {pid}: RSS {warm / 2**20:.0f} -> "
+                    f"{self.rss_end[pid] / 2**20:.0f} MiB ({self.rss_end[pid] / warm - 1:+.1%})"
+                )
         slowest = sorted(self.outcomes, key=lambda o: o.start - o.end)[:5]
         lines.append("slowest: " + ", ".join(f"{o.kind}/{o.name} {o.result} {o.end - o.start:.1f} s" for o in slowest))
         for kind in (None, *sc.NEW_CLASSES):
             if (lat := self.innocent_latency(kind)) is not None:
-                lines.append(f"innocents {'alongside ' + kind if kind else 'alongside none of them'}: "
-                             f"{lat[0]}, median {lat[1]:.2f} s, max {lat[2]:.2f} s")
+                lines.append(
+                    f"innocents {'alongside ' + kind if kind else 'alongside none of them'}: "
+                    f"{lat[0]}, median {lat[1]:.2f} s, max {lat[2]:.2f} s"
+                )
         return "\n".join(lines)
 
 
@@ -201,16 +234,23 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-async def http_request(hc: httpx.AsyncClient, base: str, path: str, body: Any, headers: dict[str, str],
-                       ok_statuses: tuple[int, ...] = (200,)) -> tuple[str, str]:
+async def http_request(
+    hc: httpx.AsyncClient,
+    base: str,
+    path: str,
+    body: Any,
+    headers: dict[str, str],
+    ok_statuses: tuple[int, ...] = (200,),
+) -> tuple[str, str]:
     content = body if isinstance(body, str) else json.dumps(body)
     hdrs = {"content-type": "application/json", **headers}
     r = await hc.post(f"{base}{path}", content=content.encode("utf-8", "surrogatepass"), headers=hdrs)
     result, detail = _http_result(r.status_code, r.text, ok_statuses)
     if result == OK and r.text.startswith("data: "):
         # A stream that already sent 200 reports failures as an error event.
-        events = [json.loads(line[6:]) for line in r.text.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         errors = [e["error"] for e in events if "error" in e]
         if errors:
             code = errors[0].get("code")
@@ -281,14 +321,18 @@ class _Load:
         waits unbounded."""
         try:
             return await asyncio.wait_for(self._send(kind, r, ordinal), REQUEST_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return kind, UNEXPECTED, f"no answer within {REQUEST_TIMEOUT_S:.0f} s"
         except Exception as exc:  # noqa: BLE001 - any client-side surprise is one request's outcome
             return kind, UNEXPECTED, f"{type(exc).__name__}: {exc}"
 
     async def _send(self, kind: str, r: random.Random, ordinal: int) -> tuple[str, str, str]:
-        new_class = {AMPLIFY: self._amplify, HEAVY_GRAMMAR: self._heavy_grammar, HOG: self._hog,
-                     STALL: self._stall}.get(kind)
+        new_class = {
+            AMPLIFY: self._amplify,
+            HEAVY_GRAMMAR: self._heavy_grammar,
+            HOG: self._hog,
+            STALL: self._stall,
+        }.get(kind)
         if new_class is not None:
             return await new_class(r, ordinal)
         hc, gc, base = self.hc, self.gc, self.base
@@ -375,9 +419,17 @@ class _Load:
 
 
 async def run_soak(
-    http_base: str, grpc_target: str, *, requests: int, concurrency: int, seed: int = 0, vocab: int = 3000,
+    http_base: str,
+    grpc_target: str,
+    *,
+    requests: int,
+    concurrency: int,
+    seed: int = 0,
+    vocab: int = 3000,
     on_half: Callable[[], Awaitable[tuple[float, int] | None]] | None = None,
-    mix: dict[str, sc.Share] | None = None, limits: Limits | None = None, stall_hold_s: float = 3.0,
+    mix: dict[str, sc.Share] | None = None,
+    limits: Limits | None = None,
+    stall_hold_s: float = 3.0,
 ) -> SoakReport:
     """Send the mixed load; ``on_half`` (the replica kill) runs once a quarter of it has ended.
     ``limits``: the deployment's (the hog and its expected answer follow them)."""
@@ -388,8 +440,10 @@ async def run_soak(
     sem = asyncio.Semaphore(concurrency)
     conns = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
 
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=conns) as hc, \
-            AsyncClient(grpc_target, timeout=REQUEST_TIMEOUT_S) as gc:
+    async with (
+        httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=conns) as hc,
+        AsyncClient(grpc_target, timeout=REQUEST_TIMEOUT_S) as gc,
+    ):
         load = _Load(hc, gc, http_base, vocab, grpc_hostile(), limits or Limits(), stall_hold_s)
 
         async def one(kind: str, r: random.Random, ordinal: int) -> None:
@@ -460,7 +514,9 @@ def wait_batches_empty(app: str, timeout_s: float = 30.0) -> dict[str, int]:
     deadline = time.monotonic() + timeout_s
     left: dict[str, int] = {}
     while time.monotonic() < deadline:
-        left = {rid: int(i.get("num_running", 0)) + int(i.get("num_waiting", 0)) for rid, i in worker_infos(app, 8).items()}
+        left = {
+            rid: int(i.get("num_running", 0)) + int(i.get("num_waiting", 0)) for rid, i in worker_infos(app, 8).items()
+        }
         if left and not any(left.values()):
             return left
         time.sleep(0.5)
@@ -477,14 +533,24 @@ def replica_pids(app: str, deployment: str) -> set[int]:
                 head = f.read(256)
         except OSError:
             continue
-        if head.startswith(b"ray::" + title) and head[5 + len(title):6 + len(title)] in (b"", b"\0", b".", b" "):
+        if head.startswith(b"ray::" + title) and head[5 + len(title) : 6 + len(title)] in (b"", b"\0", b".", b" "):
             pids.add(int(path.split("/")[2]))
     return pids
 
 
-async def soak_deployment(http_base: str, grpc_target: str, app: str, *, requests: int, concurrency: int,
-                          seed: int = 0, kill: bool = True, warmup: int = 64, limits: Limits | None = None,
-                          stall_hold_s: float = 3.0) -> SoakReport:
+async def soak_deployment(
+    http_base: str,
+    grpc_target: str,
+    app: str,
+    *,
+    requests: int,
+    concurrency: int,
+    seed: int = 0,
+    kill: bool = True,
+    warmup: int = 64,
+    limits: Limits | None = None,
+    stall_hold_s: float = 3.0,
+) -> SoakReport:
     """Warm up, record the replicas' RSS, run the soak (killing one replica halfway), check the end."""
     kw: dict[str, Any] = {"concurrency": concurrency, "limits": limits, "stall_hold_s": stall_hold_s}
     await run_soak(http_base, grpc_target, requests=warmup, seed=seed + 1, mix=sc.WARMUP_MIX, **kw)
@@ -510,13 +576,19 @@ async def soak_deployment(http_base: str, grpc_target: str, app: str, *, request
 def soak_config(model: str, http_port: int, grpc_port: int, app: str = "logitpool", max_num_seqs: int = 32) -> Any:
     from cluster.config import LogitpoolConfig
 
-    return LogitpoolConfig.model_validate({
-        "engine": {"model": model, "max_num_seqs": max_num_seqs, "max_model_len": 512,
-                   "logits_processors": [FAULT_FQCN]},
-        "workers": {"num_replicas": 2, "num_cpus": 1},
-        "server": {"http_port": http_port, "grpc_port": grpc_port},
-        "app_name": app,
-    })
+    return LogitpoolConfig.model_validate(
+        {
+            "engine": {
+                "model": model,
+                "max_num_seqs": max_num_seqs,
+                "max_model_len": 512,
+                "logits_processors": [FAULT_FQCN],
+            },
+            "workers": {"num_replicas": 2, "num_cpus": 1},
+            "server": {"http_port": http_port, "grpc_port": grpc_port},
+            "app_name": app,
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,8 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kill", action="store_true", help="do not kill a worker replica halfway")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=9000)
-    p.add_argument("--stall-hold-s", type=float, default=10.0,
-                   help="how long a non-reading stream's client holds it unread before closing")
+    p.add_argument(
+        "--stall-hold-s",
+        type=float,
+        default=10.0,
+        help="how long a non-reading stream's client holds it unread before closing",
+    )
     p.add_argument("--outcomes", help="write every request's outcome to this file (JSON lines)")
     args = p.parse_args(argv)
     from cluster.cli.launch import start_serve, wait_ready
@@ -537,10 +613,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg = soak_config(str(build_tiny_model(default_model_path())), args.http_port, args.grpc_port)
     cfg = start_serve(cfg)
     wait_ready("127.0.0.1", cfg.server.http_port, 300.0)
-    report = asyncio.run(soak_deployment(
-        f"http://127.0.0.1:{cfg.server.http_port}", f"127.0.0.1:{cfg.server.grpc_port}", cfg.app_name,
-        requests=args.requests, concurrency=args.concurrency, seed=args.seed, kill=not args.no_kill,
-        limits=cfg.limits, stall_hold_s=args.stall_hold_s))
+    report = asyncio.run(
+        soak_deployment(
+            f"http://127.0.0.1:{cfg.server.http_port}",
+            f"127.0.0.1:{cfg.server.grpc_port}",
+            cfg.app_name,
+            requests=args.requests,
+            concurrency=args.concurrency,
+            seed=args.seed,
+            kill=not args.no_kill,
+            limits=cfg.limits,
+            stall_hold_s=args.stall_hold_s,
+        )
+    )
     print(report.render())
     if args.outcomes:
         with open(args.outcomes, "w", encoding="utf-8") as f:

@@ -45,8 +45,7 @@ def local_cluster_env(cfg: Any, token_dir: Path | None = None) -> dict[str, str]
     if cfg.server.host in ("127.0.0.1", "localhost", "::1"):
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-        print("warning: RAY_AUTH_MODE=disabled: the local Ray cluster accepts unauthenticated clients",
-              file=sys.stderr)
+        print("warning: RAY_AUTH_MODE=disabled: the local Ray cluster accepts unauthenticated clients", file=sys.stderr)
         return env
     import atexit
     import secrets
@@ -83,8 +82,12 @@ def start_serve(cfg: Any, address: str | None = None, *, report: Any = _report) 
             # A local cluster: logical CPUs are scheduling slots, not cores; leave room for the
             # ingress and a few worker replicas even on a 2-core laptop. Nothing listens beyond
             # the node address (see local_cluster_env); the dashboard is off.
-            ray.init(num_cpus=max(os.cpu_count() or 1, LOCAL_NUM_CPUS), include_dashboard=False,
-                     log_to_driver=False, dashboard_host="127.0.0.1")
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, LOCAL_NUM_CPUS),
+                include_dashboard=False,
+                log_to_driver=False,
+                dashboard_host="127.0.0.1",
+            )
         else:
             ray.init(address=address, log_to_driver=False)
     serve.start(
@@ -108,8 +111,11 @@ def deploy(cfg: Any, *, timeout_s: float = READY_TIMEOUT_S, report: Any = _repor
         _run(build_app(cfg), _blocking=False, name=cfg.app_name, route_prefix=cfg.route_prefix)
     pending = wait_running(cfg.app_name, timeout_s, report=report, serving=serving or (lambda: False))
     for line in pending:
-        print(f"warning: serving, but not every replica has started (see `logitpool status`): {line}",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: serving, but not every replica has started (see `logitpool status`): {line}",
+            file=sys.stderr,
+            flush=True,
+        )
     return cfg
 
 

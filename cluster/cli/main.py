@@ -20,10 +20,8 @@ from cluster.cli.errors import EXIT_BROKEN_PIPE, EXIT_ERROR, CliError, one_line
 from cluster.cli.launch import deploy, healthy, start_serve, wait_ready
 
 
-
 def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("serve", parents=[common],
-                       help="start (or join) a Ray cluster and serve logitpool until Ctrl-C")
+    p = sub.add_parser("serve", parents=[common], help="start (or join) a Ray cluster and serve logitpool until Ctrl-C")
     p.add_argument("--config", type=Path, help="LogitpoolConfig YAML file (flags override it)")
     p.add_argument("--model", help="HF model path or hub id (default: the embedded tiny model)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the model's name)")
@@ -79,7 +77,7 @@ def check_processors(cfg: Any) -> None:
     for fqcn in cfg.engine.logits_processors:
         try:
             resolve_processor_class(fqcn)
-        except Exception as exc:  # noqa: BLE001 - reported as the operator's one line
+        except Exception as exc:
             text = str(exc).strip()
             raise CliError(text if fqcn in text else f"logits processor {fqcn}: {one_line(exc)}") from exc
 
@@ -107,20 +105,24 @@ def banner(cfg: Any, host: str, keys: bool, session_path: Path | None = None, st
         f"  HTTP (OpenAI-compatible): {http}/v1   gRPC: {host}:{cfg.server.grpc_port}",
     ]
     if cfg.server.host not in ("0.0.0.0", "::"):
-        lines.append(f"  note: Ray Serve's gRPC proxy listens on every interface ([::]:{cfg.server.grpc_port}) whatever "
-                     "--host says; set API keys (LOGITPOOL_API_KEY) or firewall the port")
+        lines.append(
+            f"  note: Ray Serve's gRPC proxy listens on every interface ([::]:{cfg.server.grpc_port}) whatever "
+            "--host says; set API keys (LOGITPOOL_API_KEY) or firewall the port"
+        )
     if keys:
         lines.append(f"  API keys are on: clients send one of the keys in ${cfg.api_key_env}")
     lines += [
         f"  processors: {http}/v1/processors   health: {http}/health   metrics: {http}/metrics",
         "Try:",
         f"  curl {http}/v1/completions -H 'Content-Type: application/json'{auth} "
-        "-d '{\"prompt\": \"def main(\", \"max_tokens\": 16}'",
+        '-d \'{"prompt": "def main(", "max_tokens": 16}\'',
         f"  {_command_name()} generate 'def main(' --target {host}:{cfg.server.grpc_port}{key_flag}",
     ]
     if status:
-        lines += [f"  {_command_name()} status{session}        # replicas, requests and KV cache per worker replica",
-                  f"  {_command_name()} scale 2{session}       # redeploy with 2 worker replicas"]
+        lines += [
+            f"  {_command_name()} status{session}        # replicas, requests and KV cache per worker replica",
+            f"  {_command_name()} scale 2{session}       # redeploy with 2 worker replicas",
+        ]
     lines.append("Ctrl-C to stop.")
     return lines
 
@@ -136,16 +138,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
     wait_ready(host, cfg.server.http_port)
-    session_path: Path | None = _session_path(args)
-    if session.owned_by_another(session_path):
-        print(f"note: another `logitpool serve` owns {session_path}; `status`/`scale` of this one are not "
-              "available (start it with --session PATH)", file=sys.stderr)
+    path = _session_path(args)
+    session_path: Path | None = path
+    if session.owned_by_another(path):
+        print(
+            f"note: another `logitpool serve` owns {path}; `status`/`scale` of this one are not "
+            "available (start it with --session PATH)",
+            file=sys.stderr,
+        )
         session_path = None
     else:
-        session.write(session_path, ray.get_runtime_context().gcs_address,
-                      cfg.model_dump(mode="json", exclude={"api_keys"}))
-    print("\n".join(banner(cfg, host, bool(cfg.resolve_api_keys(os.environ)), args.session if session_path else None,
-                           status=session_path is not None)), flush=True)
+        session.write(path, ray.get_runtime_context().gcs_address, cfg.model_dump(mode="json", exclude={"api_keys"}))
+    print(
+        "\n".join(
+            banner(
+                cfg,
+                host,
+                bool(cfg.resolve_api_keys(os.environ)),
+                args.session if session_path else None,
+                status=session_path is not None,
+            )
+        ),
+        flush=True,
+    )
     stop = False
 
     def _stop(*_: Any) -> None:
@@ -198,7 +213,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
         raise CliError(f"replicas: must be >= 1, got {args.replicas}")
     data = session.join(_session_path(args))
     cfg = LogitpoolConfig.model_validate(data["config"]).with_overrides(
-        **{"workers.num_replicas": args.replicas, "workers.autoscaling": None})
+        **{"workers.num_replicas": args.replicas, "workers.autoscaling": None}
+    )
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
     deploy(cfg, serving=lambda: healthy(host, cfg.server.http_port))
     data["config"] = cfg.model_dump(mode="json", exclude={"api_keys"})
@@ -261,8 +277,10 @@ def _main(argv: list[str] | None) -> int:
     common.add_argument("--debug", action="store_true", help="print the traceback of a failure")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub, common)
-    for name, text in (("status", "replicas, running/waiting requests and KV cache of the running `logitpool serve`"),
-                       ("scale", "redeploy the running `logitpool serve` with N worker replicas")):
+    for name, text in (
+        ("status", "replicas, running/waiting requests and KV cache of the running `logitpool serve`"),
+        ("scale", "redeploy the running `logitpool serve` with N worker replicas"),
+    ):
         p = sub.add_parser(name, parents=[common], help=text)
         if name == "scale":
             p.add_argument("replicas", type=int)
@@ -282,7 +300,9 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.cmd != "bench":
         try:
-            return {"serve": cmd_serve, "status": cmd_status, "scale": cmd_scale, "generate": cmd_generate}[args.cmd](args)
+            return {"serve": cmd_serve, "status": cmd_status, "scale": cmd_scale, "generate": cmd_generate}[args.cmd](
+                args
+            )
         except KeyboardInterrupt:
             return 130
         except BrokenPipeError:

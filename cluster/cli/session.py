@@ -8,6 +8,7 @@ listens anywhere."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -79,5 +80,5 @@ def join(path: Path) -> dict[str, Any]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=data["address"], log_to_driver=False, logging_level="ERROR")
+        ray.init(address=data["address"], log_to_driver=False, logging_level=logging.ERROR)
     return data

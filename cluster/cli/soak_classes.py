@@ -44,7 +44,13 @@ from client import AsyncClient, LogitpoolError
 INNOCENT, HOSTILE, CANCEL, FAULT = "innocent", "hostile", "cancel", "fault"
 AMPLIFY, HEAVY_GRAMMAR, HOG, STALL = "amplify", "heavy_grammar", "hog", "stall"
 OK, REJECTED, CANCELLED, FAULTED, UNAVAILABLE, UNEXPECTED = (
-    "ok", "rejected", "cancelled", "faulted", "unavailable", "unexpected")
+    "ok",
+    "rejected",
+    "cancelled",
+    "faulted",
+    "unavailable",
+    "unexpected",
+)
 STALLED = "stalled"
 
 ALLOWED: dict[str, frozenset[str]] = {
@@ -75,32 +81,77 @@ HOSTILE_HTTP: list[tuple[str, str, Any, dict[str, str], tuple[int, ...]]] = [
     ("seed_2^64", "/v1/completions", {"prompt": "x", "max_tokens": 4, "seed": 2**64}, {}, _4XX),
     ("top_k_2^63", "/v1/completions", {"prompt": "x", "max_tokens": 4, "top_k": 2**63}, {}, _4XX),
     ("surrogate_prompt", "/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', {}, _4XX),
-    ("surrogate_chat", "/v1/chat/completions",
-     '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', {}, _4XX),
-    ("surrogate_role", "/v1/chat/completions",
-     '{"messages": [{"role": "\\ud800", "content": "hi"}], "max_tokens": 2}', {}, _4XX),
-    ("surrogate_model", "/v1/completions", '{"model": "\\ud800", "prompt": "x", "max_tokens": 2}', {},
-     (200, 404) + _4XX),
-    ("surrogate_bad_words", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "bad_words": ["\\ud800"]}', {},
-     _4XX),
+    (
+        "surrogate_chat",
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+        {},
+        _4XX,
+    ),
+    (
+        "surrogate_role",
+        "/v1/chat/completions",
+        '{"messages": [{"role": "\\ud800", "content": "hi"}], "max_tokens": 2}',
+        {},
+        _4XX,
+    ),
+    (
+        "surrogate_model",
+        "/v1/completions",
+        '{"model": "\\ud800", "prompt": "x", "max_tokens": 2}',
+        {},
+        (200, 404, *_4XX),
+    ),
+    ("surrogate_bad_words", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "bad_words": ["\\ud800"]}', {}, _4XX),
     ("nested_100000", "/v1/completions", _nested(100_000), {}, _4XX),
     ("nested_500", "/v1/completions", _nested(500), {}, _4XX),
-    ("repetition_penalty_1e-300", "/v1/completions",
-     {"prompt": "x y x y", "max_tokens": 4, "repetition_penalty": 1e-300}, {}, (200,) + _4XX),
-    ("processed_logprobs_allowed", "/v1/completions",
-     {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [5, 6], "logprobs": 3,
-      "logprobs_mode": "processed_logprobs"}, {}, (200,) + _4XX),
+    (
+        "repetition_penalty_1e-300",
+        "/v1/completions",
+        {"prompt": "x y x y", "max_tokens": 4, "repetition_penalty": 1e-300},
+        {},
+        (200, *_4XX),
+    ),
+    (
+        "processed_logprobs_allowed",
+        "/v1/completions",
+        {
+            "prompt": "x",
+            "max_tokens": 3,
+            "allowed_token_ids": [5, 6],
+            "logprobs": 3,
+            "logprobs_mode": "processed_logprobs",
+        },
+        {},
+        (200, *_4XX),
+    ),
     ("logit_bias_nan", "/v1/completions", '{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": NaN}}', {}, _4XX),
     ("n_2000", "/v1/completions", {"prompt": "x", "max_tokens": 1, "n": 2000}, {}, _4XX),
     ("prompts_400", "/v1/completions", {"prompt": ["x"] * 400, "max_tokens": 1}, {}, _4XX),
-    ("extra_args_10k_keys", "/v1/completions",
-     {"prompt": "x", "max_tokens": 1, "extra_args": {f"k{i}": i for i in range(10_000)}}, {}, _4XX),
+    (
+        "extra_args_10k_keys",
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 1, "extra_args": {f"k{i}": i for i in range(10_000)}},
+        {},
+        _4XX,
+    ),
     ("body_8MB", "/v1/completions", '{"prompt": "' + "a" * (8 << 20) + '", "max_tokens": 1}', {}, _4XX),
     ("text_plain", "/v1/completions", '{"prompt": "x"}', {"content-type": "text/plain"}, _4XX),
     ("not_json", "/v1/completions", "{prompt: x", {}, _4XX),
-    ("stream_processed_logprobs", "/v1/completions",
-     {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [5, 6], "logprobs": 3,
-      "logprobs_mode": "processed_logprobs", "stream": True}, {}, (200,) + _4XX),
+    (
+        "stream_processed_logprobs",
+        "/v1/completions",
+        {
+            "prompt": "x",
+            "max_tokens": 3,
+            "allowed_token_ids": [5, 6],
+            "logprobs": 3,
+            "logprobs_mode": "processed_logprobs",
+            "stream": True,
+        },
+        {},
+        (200, *_4XX),
+    ),
 ]
 
 
@@ -132,7 +183,10 @@ def nested_extra_args_request(depth: int) -> bytes:
 def grpc_hostile() -> list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]:
     def raw(payload: bytes) -> Callable[[AsyncClient], Awaitable[Any]]:
         async def call(c: AsyncClient) -> Any:
-            rpc = c._channel.unary_unary("/logitpool.v1.LogitPool/Generate")  # bytes in, bytes out
+            # bytes in, bytes out
+            rpc: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = c._channel.unary_unary(
+                "/logitpool.v1.LogitPool/Generate"
+            )
             return await rpc(payload, timeout=60, metadata=c._metadata)
 
         return call
@@ -146,9 +200,13 @@ def grpc_hostile() -> list[tuple[str, Callable[[AsyncClient], Awaitable[Any]]]]:
     async def int32_top_k(c: AsyncClient) -> Any:
         return await c.generate("x", max_tokens=2, top_k=2**31 - 1, temperature=1.0)
 
-    return [("grpc_garbage", raw(b"\xff\xff\xff\xff garbage")), ("grpc_logit_bias_1e308", huge_bias),
-            ("grpc_nested_60", raw(nested_extra_args_request(60))),
-            ("grpc_nan_temperature", nan_temperature), ("grpc_top_k_int32_max", int32_top_k)]
+    return [
+        ("grpc_garbage", raw(b"\xff\xff\xff\xff garbage")),
+        ("grpc_logit_bias_1e308", huge_bias),
+        ("grpc_nested_60", raw(nested_extra_args_request(60))),
+        ("grpc_nan_temperature", nan_temperature),
+        ("grpc_top_k_int32_max", int32_top_k),
+    ]
 
 
 # -- what a client saw, and the rules ---------------------------------------------------------
@@ -164,8 +222,12 @@ class Answer:
     size: int = 0
 
 
-_GRPC_STATUS = {grpc.StatusCode.OK: 200, grpc.StatusCode.INVALID_ARGUMENT: 400,
-                grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
+_GRPC_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
 
 
 def grpc_answer(code: grpc.StatusCode | None, details: str) -> Answer:
@@ -247,8 +309,12 @@ class Share:
 
 # Every new class is bounded in count (and each request in time) whatever --requests says.
 DEFAULT_MIX: dict[str, Share] = {
-    HOSTILE: Share(0.10), CANCEL: Share(0.10), FAULT: Share(0.01, 1),
-    AMPLIFY: Share(0.01, 2, 12), HEAVY_GRAMMAR: Share(0.01, 2, 4), HOG: Share(0.0004, 2, 4),
+    HOSTILE: Share(0.10),
+    CANCEL: Share(0.10),
+    FAULT: Share(0.01, 1),
+    AMPLIFY: Share(0.01, 2, 12),
+    HEAVY_GRAMMAR: Share(0.01, 2, 4),
+    HOG: Share(0.0004, 2, 4),
     STALL: Share(0.015, 4, 40),
 }
 # The warm-up leaves out what costs seconds by design (heavy compiles, the 4,096-sequence hog,
@@ -298,8 +364,15 @@ AMPLIFY_SHAPES = [("amplify_over", 8, 200, 24, 20), ("amplify_small", 2, 40, 4, 
 
 def amplify_body(rng: random.Random, ordinal: int) -> tuple[str, dict[str, Any]]:
     name, prompts, length, n, k = AMPLIFY_SHAPES[ordinal % len(AMPLIFY_SHAPES)]
-    body = {"prompt": [words(rng, length) for _ in range(prompts)], "n": n, "max_tokens": 1, "echo": True,
-            "logprobs": k, "prompt_logprobs": k, "temperature": 0.0}
+    body = {
+        "prompt": [words(rng, length) for _ in range(prompts)],
+        "n": n,
+        "max_tokens": 1,
+        "echo": True,
+        "logprobs": k,
+        "prompt_logprobs": k,
+        "temperature": 0.0,
+    }
     return name, body
 
 
@@ -312,18 +385,23 @@ HEAVY_PROPERTIES = 2
 def heavy_schema(salt: int) -> dict[str, Any]:
     pattern = HEAVY_PATTERN.format(salt=salt)
     names = [f"p{i}" for i in range(HEAVY_PROPERTIES)]
-    return {"type": "object", "properties": {p: {"type": "string", "pattern": pattern} for p in names},
-            "required": names}
+    return {
+        "type": "object",
+        "properties": {p: {"type": "string", "pattern": pattern} for p in names},
+        "required": names,
+    }
 
 
 def trivial_constraint(rng: random.Random) -> dict[str, Any]:
     """A constraint that compiles in about a millisecond, new to the cache each time."""
     salt = rng.randrange(10**9)
-    return rng.choice([
-        {"regex": f"(yes|no) {salt}"},
-        {"choice": ["def", "class", f"w{salt}"]},
-        {"json": {"type": "object", "properties": {f"k{salt}": {"type": "integer"}}, "required": [f"k{salt}"]}},
-    ])
+    return rng.choice(
+        [
+            {"regex": f"(yes|no) {salt}"},
+            {"choice": ["def", "class", f"w{salt}"]},
+            {"json": {"type": "object", "properties": {f"k{salt}": {"type": "integer"}}, "required": [f"k{salt}"]}},
+        ]
+    )
 
 
 @dataclass(frozen=True)
@@ -341,8 +419,10 @@ def hog_shapes(max_prompts: int, max_n: int, seq_limit: int | None) -> list[tupl
     within ``seq_limit`` (256 sequences where none is declared)."""
     within = seq_limit or 256
     n = min(max_n, within)
-    return [("hog_limits", HogShape(max_prompts, max_n)),
-            ("hog_within", HogShape(min(max_prompts, max(1, within // n)), n))]
+    return [
+        ("hog_limits", HogShape(max_prompts, max_n)),
+        ("hog_within", HogShape(min(max_prompts, max(1, within // n)), n)),
+    ]
 
 
 def hog_rule(shape: HogShape, seq_limit: int | None) -> Rule:
@@ -375,8 +455,11 @@ async def stalled_http_stream(base: str, body: dict[str, Any], hold_s: float) ->
         raise
     try:
         payload = json.dumps({**body, "stream": True}).encode()
-        writer.write(f"POST /v1/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-                     f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+        writer.write(
+            f"POST /v1/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
         await writer.drain()
         status, length = await _read_head(reader)
         if status != 200:

@@ -165,7 +165,9 @@ def render() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m cluster.deploy.helm_schema", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m cluster.deploy.helm_schema",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--check", action="store_true", help="only compare with the checked-in schema")
     args = p.parse_args(argv)

@@ -18,15 +18,6 @@ from cluster import limits as request_limits
 from cluster import pool_stats
 from cluster.errors import classify, error_body
 from cluster.frontend import Frontend
-from cluster.openai.wire import (
-    StreamedJSONResponse,
-    StrictJSONResponse,
-    charset,
-    is_json,
-    json_chunks,
-    sse,
-    status_response,
-)
 from cluster.limits import (
     ONCE,
     PayloadTooLarge,
@@ -55,6 +46,15 @@ from cluster.openai.protocol import (
     now,
     usage,
     usage_chunk,
+)
+from cluster.openai.wire import (
+    StreamedJSONResponse,
+    StrictJSONResponse,
+    charset,
+    is_json,
+    json_chunks,
+    sse,
+    status_response,
 )
 from worker.outputs import RequestOutput
 from worker.request import Scheduling
@@ -110,7 +110,9 @@ class HttpAdapter:
         try:
             await asyncio.wait_for(read(), limits.read_timeout_s)
         except TimeoutError:
-            raise RequestTimeout(f"body: not received within limits.read_timeout_s ({limits.read_timeout_s}s)") from None
+            raise RequestTimeout(
+                f"body: not received within limits.read_timeout_s ({limits.read_timeout_s}s)"
+            ) from None
         return b"".join(chunks)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
@@ -128,7 +130,7 @@ class HttpAdapter:
         """The 401 response when the API key is missing or wrong, else None."""
         try:
             self.frontend.authorize(request.headers.get("authorization"))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         return None
 
@@ -144,29 +146,38 @@ class HttpAdapter:
             shape = ResponseShape(prompt_logprobs_per_choice=not body.stream, echo=body.echo)
             prompts = await fe.prepare(params, raw, shape)
             sched = self._scheduling(request, rid, body)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         if body.stream:
-            return StreamingResponse(self._stream_completions(rid, prompts, params, body, raw, sched),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream_completions(rid, prompts, params, body, raw, sched), media_type="text/event-stream"
+            )
         try:
             outs = await asyncio.gather(*(fe.run(f"{rid}-{i}", ids, params, sched) for i, ids in enumerate(prompts)))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         fe.count_ok("http", outs)
         echoes = [self._echo(r, ids, out, body) for r, ids, out in zip(raw, prompts, outs)] if body.echo else None
         args = (fe.decode_token, body.return_token_ids, body.include_stop_str_in_output, echoes)
         if self._large(params, prompts, shape):
             choices = completion_choices(outs, *args)
-            return StreamedJSONResponse(json_chunks(completion_head(rid, fe.model_name), "choices", choices,
-                                                    lambda: {"usage": completion_usage(outs, echoes)}))
+            return StreamedJSONResponse(
+                json_chunks(
+                    completion_head(rid, fe.model_name),
+                    "choices",
+                    choices,
+                    lambda: {"usage": completion_usage(outs, echoes)},
+                )
+            )
         return StrictJSONResponse(completion_response(rid, fe.model_name, list(outs), *args))
 
     def _large(self, params: SamplingParams, prompts: list[list[int]], shape: ResponseShape = ONCE) -> bool:
         """Whether a response is written in pieces (STREAM_ABOVE_LOGPROBS / _CHOICES)."""
-        return (len(prompts) * params.n > STREAM_ABOVE_CHOICES
-                or response_logprobs(params, [len(p) for p in prompts], self.frontend.max_model_len, shape)
-                > STREAM_ABOVE_LOGPROBS)
+        return (
+            len(prompts) * params.n > STREAM_ABOVE_CHOICES
+            or response_logprobs(params, [len(p) for p in prompts], self.frontend.max_model_len, shape)
+            > STREAM_ABOVE_LOGPROBS
+        )
 
     def _echo(self, raw: str | list[int], ids: list[int], first: RequestOutput, body: CompletionRequest) -> Echo:
         """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded),
@@ -175,8 +186,13 @@ class HttpAdapter:
         return Echo(text, ids, first.prompt_logprobs, body.echo_only)
 
     async def _stream_completions(
-        self, rid: str, prompts: list[list[int]], params: SamplingParams, body: CompletionRequest,
-        raw: list[str | list[int]], sched: Scheduling | None = None,
+        self,
+        rid: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        body: CompletionRequest,
+        raw: list[str | list[int]],
+        sched: Scheduling | None = None,
     ) -> AsyncIterator[str]:
         fe = self.frontend
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -205,25 +221,40 @@ class HttpAdapter:
                     return
                 if body.echo and i not in echoes:
                     echoes[i] = self._echo(raw[i], prompts[i], item, body)
-                for c in item.outputs:
-                    index = i * params.n + c.index
-                    n_tokens += 0 if body.echo_only else len(c.token_ids)
+                for choice in item.outputs:
+                    index = i * params.n + choice.index
+                    n_tokens += 0 if body.echo_only else len(choice.token_ids)
+                    c = choice
                     if body.echo:  # the prompt comes first, in the choice's first chunk (as vLLM)
-                        c = after_echo(c, echoes[i]) if index in sent else echoed(c, echoes[i])
+                        c = after_echo(choice, echoes[i]) if index in sent else echoed(choice, echoes[i])
                         if index in sent and not c.text and c.finish_reason is None:
                             continue
-                    chunk = completion_chunk(rid, fe.model_name, c, fe.decode_token, i * params.n, body.return_token_ids,
-                                             created=created, text_offset=sent.get(index, 0),
-                                             include_stop=body.include_stop_str_in_output)
+                    chunk = completion_chunk(
+                        rid,
+                        fe.model_name,
+                        c,
+                        fe.decode_token,
+                        i * params.n,
+                        body.return_token_ids,
+                        created=created,
+                        text_offset=sent.get(index, 0),
+                        include_stop=body.include_stop_str_in_output,
+                    )
                     lp = chunk["choices"][0]["logprobs"]
                     # Offsets run over the tokens' texts, as in the whole response (an echoed
                     # prompt's special tokens are in them, not in its text).
-                    sent[index] = (lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"]
-                                   else sent.get(index, 0) + len(chunk["choices"][0]["text"]))
+                    sent[index] = (
+                        lp["text_offset"][-1] + len(lp["tokens"][-1])
+                        if lp and lp["tokens"]
+                        else sent.get(index, 0) + len(chunk["choices"][0]["text"])
+                    )
                     yield sse(chunk)
             if body.include_usage:
-                yield sse(usage_chunk(rid, fe.model_name, "text_completion", usage(sum(map(len, prompts)), n_tokens),
-                                      created=created))
+                yield sse(
+                    usage_chunk(
+                        rid, fe.model_name, "text_completion", usage(sum(map(len, prompts)), n_tokens), created=created
+                    )
+                )
             fe.count_ok("http", tokens=n_tokens)
             yield DONE
         finally:
@@ -240,25 +271,32 @@ class HttpAdapter:
             params = body.sampling_params()
             ids = await fe.prepare_chat(params, [(m.role, m.text()) for m in body.messages])
             sched = self._scheduling(request, rid, body)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         top_n = body.top_logprobs or 0
         if body.stream:
-            return StreamingResponse(self._stream_chat(rid, ids, params, top_n, body, sched),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream_chat(rid, ids, params, top_n, body, sched), media_type="text/event-stream"
+            )
         try:
             out = await fe.run(rid, ids, params, sched)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         fe.count_ok("http", [out])
         args = (fe.decode_token, top_n, body.return_token_ids, body.forced_tool, body.include_stop_str_in_output)
         if self._large(params, [ids]):
-            return StreamedJSONResponse(json_chunks(chat_head(rid, fe.model_name), "choices",
-                                                    chat_choices(out, *args), lambda: chat_tail(out)))
+            return StreamedJSONResponse(
+                json_chunks(chat_head(rid, fe.model_name), "choices", chat_choices(out, *args), lambda: chat_tail(out))
+            )
         return StrictJSONResponse(chat_response(rid, fe.model_name, out, *args))
 
     async def _stream_chat(
-        self, rid: str, ids: list[int], params: SamplingParams, top_n: int, body: ChatCompletionRequest,
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        top_n: int,
+        body: ChatCompletionRequest,
         sched: Scheduling | None = None,
     ) -> AsyncIterator[str]:
         fe = self.frontend
@@ -268,17 +306,28 @@ class HttpAdapter:
             async for delta in fe.stream_deltas(rid, ids, params, sched):
                 for c in delta.outputs:
                     n_tokens += len(c.token_ids)
-                    yield sse(chat_chunk(rid, fe.model_name, c, fe.decode_token, top_n, c.index not in first,
-                                         body.return_token_ids, created=created,
-                                         include_stop=body.include_stop_str_in_output))
+                    yield sse(
+                        chat_chunk(
+                            rid,
+                            fe.model_name,
+                            c,
+                            fe.decode_token,
+                            top_n,
+                            c.index not in first,
+                            body.return_token_ids,
+                            created=created,
+                            include_stop=body.include_stop_str_in_output,
+                        )
+                    )
                     first.add(c.index)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             for event in self._error_event(exc):
                 yield event
             return
         if body.include_usage:
-            yield sse(usage_chunk(rid, fe.model_name, "chat.completion.chunk", usage(len(ids), n_tokens),
-                                  created=created))
+            yield sse(
+                usage_chunk(rid, fe.model_name, "chat.completion.chunk", usage(len(ids), n_tokens), created=created)
+            )
         fe.count_ok("http", tokens=n_tokens)
         yield DONE
 
@@ -288,17 +337,34 @@ class HttpAdapter:
         if denied := self.denied(request):
             return denied
         fe = self.frontend
-        return JSONResponse({"object": "list", "data": [
-            {"id": fe.model_name, "object": "model", "created": 0, "owned_by": "logitpool", "root": fe.model_name,
-             "parent": None, "max_model_len": fe.max_model_len}
-        ]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": fe.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "logitpool",
+                        "root": fe.model_name,
+                        "parent": None,
+                        "max_model_len": fe.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def list_processors(self, request: Request) -> Response:
         if denied := self.denied(request):
             return denied
         procs = self.frontend.processors
-        return JSONResponse({"object": "list", "data": [p.as_json() for p in procs.describe()],
-                             "strict_extra_args": procs.strict_extra_args})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [p.as_json() for p in procs.describe()],
+                "strict_extra_args": procs.strict_extra_args,
+            }
+        )
 
     async def health(self) -> Response:
         """200 only while some worker replica's engine loop is alive and stepping (its heartbeat)."""

@@ -96,9 +96,22 @@ class _SamplingFields(BaseModel):
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"n": self.n}
         for name in (
-            "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
-            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
-            "allowed_token_ids", "skip_special_tokens", "logprobs_mode", "prompt_logprobs",
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "seed",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "min_tokens",
+            "ignore_eos",
+            "stop_token_ids",
+            "bad_words",
+            "allowed_token_ids",
+            "skip_special_tokens",
+            "logprobs_mode",
+            "prompt_logprobs",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -116,7 +129,9 @@ class _SamplingFields(BaseModel):
         xargs = self.vllm_xargs if self.vllm_xargs is not None else self.extra_args
         if xargs is not None:
             kw["extra_args"] = dict(xargs)
-        guided = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+        guided = {
+            name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        }
         so = structured_from_fields(self.response_format, self.structured_outputs, guided)
         if so is not None:
             kw["structured_outputs"] = so
@@ -275,8 +290,16 @@ def echoed(c: CompletionOutput, e: Echo) -> CompletionOutput:
         return CompletionOutput(c.index, e.text, list(e.token_ids), None, lps, finish, None, c.error)  # type: ignore[arg-type]
     if lps is not None and c.logprobs is not None:
         lps.extend(c.logprobs)
-    return CompletionOutput(c.index, e.text + c.text, [*e.token_ids, *c.token_ids], c.cumulative_logprob,
-                            lps, c.finish_reason, c.stop_reason, c.error)  # type: ignore[arg-type]
+    return CompletionOutput(
+        c.index,
+        e.text + c.text,
+        [*e.token_ids, *c.token_ids],
+        c.cumulative_logprob,
+        lps,  # type: ignore[arg-type]
+        c.finish_reason,
+        c.stop_reason,
+        c.error,
+    )
 
 
 def after_echo(c: CompletionOutput, e: Echo) -> CompletionOutput:
@@ -292,7 +315,9 @@ def prompt_logprobs_json(plp: Sequence[PositionLogprobs | None] | None) -> list[
     if plp is None:
         return None
     return [
-        None if position is None else {
+        None
+        if position is None
+        else {
             str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
             for t, lp in position.items()
         }
@@ -307,14 +332,16 @@ def chat_logprobs(c: CompletionOutput, decode: Any, top_n: int) -> dict[str, Any
     for tok, position in zip(c.token_ids, c.logprobs):
         text = decode(tok)
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
-        content.append({
-            "token": text,
-            "logprob": position[tok].logprob,
-            "bytes": list(text.encode()),
-            "top_logprobs": [
-                {"token": decode(t), "logprob": lp.logprob, "bytes": list(decode(t).encode())} for t, lp in ranked
-            ],
-        })
+        content.append(
+            {
+                "token": text,
+                "logprob": position[tok].logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": decode(t), "logprob": lp.logprob, "bytes": list(decode(t).encode())} for t, lp in ranked
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -336,13 +363,17 @@ def _choice(fields: dict[str, Any], c: CompletionOutput, token_ids: bool) -> dic
 
 def completion_usage(outs: Sequence[RequestOutput], echoes: Sequence[Echo] | None = None) -> dict[str, int]:
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
-    completion_tokens = sum(len(c.token_ids) for i, out in enumerate(outs) for c in out.outputs
-                            if echoes is None or not echoes[i].only)
+    completion_tokens = sum(
+        len(c.token_ids) for i, out in enumerate(outs) for c in out.outputs if echoes is None or not echoes[i].only
+    )
     return usage(prompt_tokens, completion_tokens)
 
 
 def completion_choices(
-    outs: Sequence[RequestOutput], decode: Any, token_ids: bool = False, include_stop: bool = False,
+    outs: Sequence[RequestOutput],
+    decode: Any,
+    token_ids: bool = False,
+    include_stop: bool = False,
     echoes: Sequence[Echo] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The choices of a completions response, one at a time (a large response is written as they
@@ -352,11 +383,15 @@ def completion_choices(
         plp = prompt_logprobs_json(out.prompt_logprobs)
         for c in out.outputs:
             shown = c if echoes is None else echoed(c, echoes[i])
-            choice = _choice({
-                "index": i * len(out.outputs) + c.index,
-                "text": output_text(shown, include_stop),
-                "logprobs": completion_logprobs(shown, decode),
-            }, shown, token_ids)
+            choice = _choice(
+                {
+                    "index": i * len(out.outputs) + c.index,
+                    "text": output_text(shown, include_stop),
+                    "logprobs": completion_logprobs(shown, decode),
+                },
+                shown,
+                token_ids,
+            )
             if plp is not None:
                 choice["prompt_logprobs"] = plp
             yield choice
@@ -368,27 +403,46 @@ def completion_head(rid: str, model: str) -> dict[str, Any]:
 
 
 def completion_response(
-    rid: str, model: str, outs: list[RequestOutput], decode: Any, token_ids: bool = False,
-    include_stop: bool = False, echoes: Sequence[Echo] | None = None,
+    rid: str,
+    model: str,
+    outs: list[RequestOutput],
+    decode: Any,
+    token_ids: bool = False,
+    include_stop: bool = False,
+    echoes: Sequence[Echo] | None = None,
 ) -> dict[str, Any]:
     """``echoes``: per prompt, what `echo` puts in front of each of its choices."""
-    return {**completion_head(rid, model),
-            "choices": list(completion_choices(outs, decode, token_ids, include_stop, echoes)),
-            "usage": completion_usage(outs, echoes)}
+    return {
+        **completion_head(rid, model),
+        "choices": list(completion_choices(outs, decode, token_ids, include_stop, echoes)),
+        "usage": completion_usage(outs, echoes),
+    }
 
 
-def _chat_choice(c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool | None,
-                 include_stop: bool) -> dict[str, Any]:
+def _chat_choice(
+    c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool | None, include_stop: bool
+) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": output_text(c, include_stop)}
     reason = c.finish_reason
     if tool is not None:
         message, reason = tool_call_message(tool, c.text, reason)
-    return {"index": c.index, "message": message, "logprobs": chat_logprobs(c, decode, top_n),
-            "finish_reason": reason, "stop_reason": c.stop_reason}
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": chat_logprobs(c, decode, top_n),
+        "finish_reason": reason,
+        "stop_reason": c.stop_reason,
+    }
 
 
-def chat_choices(out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
-                 tool: ForcedTool | None = None, include_stop: bool = False) -> Iterator[dict[str, Any]]:
+def chat_choices(
+    out: RequestOutput,
+    decode: Any,
+    top_n: int,
+    token_ids: bool = False,
+    tool: ForcedTool | None = None,
+    include_stop: bool = False,
+) -> Iterator[dict[str, Any]]:
     for c in out.outputs:
         choice = _chat_choice(c, decode, top_n, tool, include_stop)
         if token_ids:
@@ -409,41 +463,88 @@ def chat_tail(out: RequestOutput) -> dict[str, Any]:
 
 
 def chat_response(
-    rid: str, model: str, out: RequestOutput, decode: Any, top_n: int, token_ids: bool = False,
-    tool: ForcedTool | None = None, include_stop: bool = False,
+    rid: str,
+    model: str,
+    out: RequestOutput,
+    decode: Any,
+    top_n: int,
+    token_ids: bool = False,
+    tool: ForcedTool | None = None,
+    include_stop: bool = False,
 ) -> dict[str, Any]:
-    return {**chat_head(rid, model), "choices": list(chat_choices(out, decode, top_n, token_ids, tool, include_stop)),
-            **chat_tail(out)}
+    return {
+        **chat_head(rid, model),
+        "choices": list(chat_choices(out, decode, top_n, token_ids, tool, include_stop)),
+        **chat_tail(out),
+    }
 
 
 def completion_chunk(
-    rid: str, model: str, c: CompletionOutput, decode: Any, index_base: int = 0, token_ids: bool = False,
-    *, created: int, text_offset: int = 0, include_stop: bool = False,
+    rid: str,
+    model: str,
+    c: CompletionOutput,
+    decode: Any,
+    index_base: int = 0,
+    token_ids: bool = False,
+    *,
+    created: int,
+    text_offset: int = 0,
+    include_stop: bool = False,
 ) -> dict[str, Any]:
     return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [_choice({
-            "index": index_base + c.index, "text": output_text(c, include_stop),
-            "logprobs": completion_logprobs(c, decode, text_offset),
-        }, c, token_ids)],
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            _choice(
+                {
+                    "index": index_base + c.index,
+                    "text": output_text(c, include_stop),
+                    "logprobs": completion_logprobs(c, decode, text_offset),
+                },
+                c,
+                token_ids,
+            )
+        ],
     }
 
 
 def chat_chunk(
-    rid: str, model: str, c: CompletionOutput, decode: Any, top_n: int, first: bool, token_ids: bool = False,
-    *, created: int, include_stop: bool = False,
+    rid: str,
+    model: str,
+    c: CompletionOutput,
+    decode: Any,
+    top_n: int,
+    first: bool,
+    token_ids: bool = False,
+    *,
+    created: int,
+    include_stop: bool = False,
 ) -> dict[str, Any]:
     delta: dict[str, Any] = {"content": output_text(c, include_stop)}
     if first:
         delta["role"] = "assistant"
     return {
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [_choice({
-            "index": c.index, "delta": delta, "logprobs": chat_logprobs(c, decode, top_n),
-        }, c, token_ids)],
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            _choice(
+                {
+                    "index": c.index,
+                    "delta": delta,
+                    "logprobs": chat_logprobs(c, decode, top_n),
+                },
+                c,
+                token_ids,
+            )
+        ],
     }
 
 
-def usage_chunk(rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, int],
-                *, created: int) -> dict[str, Any]:
+def usage_chunk(
+    rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, int], *, created: int
+) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u}

@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.errors import Status, classify
 from cluster.openai.adapter import HttpAdapter
-from cluster.openai.wire import status_response
 from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai.wire import status_response
 
 TITLE = "logitpool"
 DESCRIPTION = "OpenAI-compatible completions over a logitpool worker pool"
@@ -39,8 +39,9 @@ def build_api(http: HttpAdapter) -> FastAPI:
     async def _framework_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return status_response(Status(exc.status_code, grpc.StatusCode.UNKNOWN, message, kind),
-                               headers=getattr(exc, "headers", None))
+        return status_response(
+            Status(exc.status_code, grpc.StatusCode.UNKNOWN, message, kind), headers=getattr(exc, "headers", None)
+        )
 
     @api.exception_handler(RequestValidationError)
     async def _request_validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -57,16 +58,18 @@ def build_api(http: HttpAdapter) -> FastAPI:
 _ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {
-        "type": "object",
-        "required": ["message", "type", "code", "param"],
-        "properties": {
-            "message": {"type": "string"},
-            "type": {"type": "string"},
-            "code": {"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
-            "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-        },
-    }},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code", "param"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "code": {"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            },
+        }
+    },
 }
 
 
@@ -76,8 +79,9 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
         return api.openapi_schema
     schema = get_openapi(title=api.title, version="1.0.0", description=api.description, routes=api.routes)
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-    _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
-                                 ref_template="#/components/schemas/{model}")
+    _, defs = models_json_schema(
+        [(m, "validation") for m in bodies.values()], ref_template="#/components/schemas/{model}"
+    )
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
     for path, model in bodies.items():
         op = schema["paths"][path]["post"]
@@ -90,17 +94,27 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
     # Prometheus' text format, not JSON.
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     # /health answers 503 with its own body (how many replicas are alive), not an error object.
-    health = {"type": "object", "required": ["status"], "properties": {
-        "status": {"type": "string"}, "workers_alive": {"type": "integer"}, "workers": {"type": "integer"}}}
+    health = {
+        "type": "object",
+        "required": ["status"],
+        "properties": {
+            "status": {"type": "string"},
+            "workers_alive": {"type": "integer"},
+            "workers": {"type": "integer"},
+        },
+    }
     for code in ("200", "503"):
         schema["paths"]["/health"]["get"]["responses"][code] = {
-            "description": "Health of the worker pool", "content": {"application/json": {"schema": health}}}
+            "description": "Health of the worker pool",
+            "content": {"application/json": {"schema": health}},
+        }
     schema["components"]["schemas"]["ErrorResponse"] = _ERROR_SCHEMA
-    error = {"description": "Error (OpenAI's shape)",
-             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    error = {
+        "description": "Error (OpenAI's shape)",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
     for methods in schema["paths"].values():
         for op in methods.values():
             op.setdefault("responses", {})["default"] = error
     api.openapi_schema = schema
     return schema
-

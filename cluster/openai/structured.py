@@ -122,11 +122,17 @@ def forced_tool(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
             "its own whether to call a tool; give 'required', 'none' or {'type': 'function', 'function': {'name': ...}}"
         )
     if tool_choice == "required":
-        schema = {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-             "required": ["name", "arguments"], "additionalProperties": False}
-            for n, p in fns.items()
-        ]}
+        schema = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": n}, "arguments": p},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for n, p in fns.items()
+            ]
+        }
         return ForcedTool(None, StructuredOutputsParams(json=schema, source="tools"))
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
@@ -153,5 +159,9 @@ def tool_call_message(tool: ForcedTool, text: str, finish_reason: str | None) ->
     else:
         name, arguments = parsed["name"], json.dumps(parsed["arguments"])
         reason = "tool_calls"
-    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    call = {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
     return {"role": "assistant", "content": None, "tool_calls": [call]}, reason

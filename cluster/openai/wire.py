@@ -42,8 +42,13 @@ class StrictJSONResponse(JSONResponse):
 CHUNK_BYTES = 1 << 16
 
 
-def json_chunks(head: dict[str, Any], key: str, items: Iterable[Any], tail: Callable[[], dict[str, Any]],
-                chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+def json_chunks(
+    head: dict[str, Any],
+    key: str,
+    items: Iterable[Any],
+    tail: Callable[[], dict[str, Any]],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[bytes]:
     """``dumps({**head, key: list(items), **tail()})`` as UTF-8, in pieces of about chunk_bytes,
     the same bytes; only the item being encoded and one piece are held at a time (``tail`` is
     built last, once the items are out)."""

@@ -55,17 +55,26 @@ def prompt_from_pb(req: pb.GenerateRequest) -> str | list[int]:
     raise ValueError("prompt: give prompt or prompt_token_ids")
 
 
-def _logprobs_pb(positions: list[PositionLogprobs] | None, token_ids: list[int], decode: Any) -> list[pb.PositionLogprobs]:
+def _logprobs_pb(
+    positions: list[PositionLogprobs] | None, token_ids: list[int], decode: Any
+) -> list[pb.PositionLogprobs]:
     if positions is None:
         return []
     out = []
     for tok, position in zip(token_ids, positions):
         sampled = position[tok]
-        out.append(pb.PositionLogprobs(
-            token_id=tok, logprob=sampled.logprob, rank=sampled.rank, token=decode(tok),
-            top=[pb.TopLogprob(token_id=t, logprob=lp.logprob, rank=lp.rank, token=decode(t))
-                 for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank)],
-        ))
+        out.append(
+            pb.PositionLogprobs(
+                token_id=tok,
+                logprob=sampled.logprob,
+                rank=sampled.rank,
+                token=decode(tok),
+                top=[
+                    pb.TopLogprob(token_id=t, logprob=lp.logprob, rank=lp.rank, token=decode(t))
+                    for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
+                ],
+            )
+        )
     return out
 
 
@@ -87,26 +96,41 @@ def response_pb(request_id: str, out: RequestOutput, decode: Any) -> pb.Generate
     completions = []
     for c in out.outputs:
         msg = pb.Completion(
-            index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason or "",
-            logprobs=_logprobs_pb(c.logprobs, c.token_ids, decode), error=c.error or "",
+            index=c.index,
+            text=c.text,
+            token_ids=c.token_ids,
+            finish_reason=c.finish_reason or "",
+            logprobs=_logprobs_pb(c.logprobs, c.token_ids, decode),
+            error=c.error or "",
         )
         if c.cumulative_logprob is not None:
             msg.cumulative_logprob = c.cumulative_logprob
         completions.append(msg)
-    return pb.GenerateResponse(request_id=request_id, completions=completions, usage=_usage(out),
-                               prompt_logprobs=_prompt_logprobs_pb(out, out.prompt_token_ids, decode))
+    return pb.GenerateResponse(
+        request_id=request_id,
+        completions=completions,
+        usage=_usage(out),
+        prompt_logprobs=_prompt_logprobs_pb(out, out.prompt_token_ids, decode),
+    )
 
 
 def delta_pb(
-    request_id: str, delta: RequestOutput, decode: Any, usage: RequestOutput | None = None,
+    request_id: str,
+    delta: RequestOutput,
+    decode: Any,
+    usage: RequestOutput | None = None,
     prompt_token_ids: list[int] | None = None,
 ) -> pb.GenerateStreamResponse:
     """``prompt_token_ids``: the request's prompt (deltas arrive without it), for prompt logprobs."""
+
     def one(c: CompletionOutput) -> pb.CompletionDelta:
         return pb.CompletionDelta(
-            index=c.index, text=c.text, token_ids=c.token_ids,
+            index=c.index,
+            text=c.text,
+            token_ids=c.token_ids,
             logprobs=_logprobs_pb(c.logprobs, c.token_ids, decode),
-            finish_reason=c.finish_reason or "", error=c.error or "",
+            finish_reason=c.finish_reason or "",
+            error=c.error or "",
         )
 
     msg = pb.GenerateStreamResponse(request_id=request_id, deltas=[one(c) for c in delta.outputs])
@@ -122,7 +146,9 @@ def processors_pb(described: list[ProcessorInfo]) -> pb.ListProcessorsResponse:
     infos = []
     for d in described:
         info = pb.ProcessorInfo(
-            name=d.name, fqcn=d.fqcn, argmax_invariant=d.argmax_invariant,
+            name=d.name,
+            fqcn=d.fqcn,
+            argmax_invariant=d.argmax_invariant,
             extra_args_keys=d.extra_args_keys or (),  # None (undeclared) travels as []
         )
         if d.extra_args_schema is not None:

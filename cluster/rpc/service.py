@@ -21,9 +21,9 @@ from ray.serve.grpc_util import RayServegRPCContext
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.errors import ResponseTooLarge, classify
 from cluster.frontend import Frontend
-from cluster.rpc.convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
 from cluster.grpc_servicers import GrpcRejected, WireRequest, install_rejection_logging, one_line
 from cluster.limits import PayloadTooLarge
+from cluster.rpc.convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
 from worker.outputs import OutputAccumulator
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
@@ -83,7 +83,8 @@ class GrpcAdapter:
         if size > limit:
             raise ResponseTooLarge(
                 f"response: {size} bytes exceeds limits.max_grpc_message_bytes ({limit}); "
-                "use GenerateStream or ask for fewer logprobs")
+                "use GenerateStream or ask for fewer logprobs"
+            )
         return msg
 
     async def _prepare(
@@ -103,13 +104,15 @@ class GrpcAdapter:
         """One group per call, under its API key's tenant (as HTTP)."""
         return self.frontend.scheduling(_authorization(ctx), engine_id, priority)
 
-    async def generate(self, request: Request[pb.GenerateRequest], grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
+    async def generate(
+        self, request: Request[pb.GenerateRequest], grpc_context: RayServegRPCContext
+    ) -> pb.GenerateResponse:
         try:
             rid, ids, params, priority = await self._prepare(request, grpc_context)
             engine_id = _engine_id(rid)
             out = await self.frontend.run(engine_id, ids, params, self._scheduling(priority, grpc_context, engine_id))
             response = self._fits(response_pb(rid, out, self.frontend.decode_token))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc", [out])
         return response
@@ -121,7 +124,7 @@ class GrpcAdapter:
             rid, ids, params, priority = await self._prepare(request, grpc_context)
             engine_id = _engine_id(rid)
             sched = self._scheduling(priority, grpc_context, engine_id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
         acc = OutputAccumulator()
         try:
@@ -129,9 +132,16 @@ class GrpcAdapter:
                 total = acc.add(delta)
                 if delta.finished:
                     total.prompt_token_ids = ids  # deltas arrive without the prompt
-                yield self._fits(delta_pb(rid, delta, self.frontend.decode_token,
-                                          usage=total if delta.finished else None, prompt_token_ids=ids))
-        except Exception as exc:
+                yield self._fits(
+                    delta_pb(
+                        rid,
+                        delta,
+                        self.frontend.decode_token,
+                        usage=total if delta.finished else None,
+                        prompt_token_ids=ids,
+                    )
+                )
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
         self.frontend.count_ok("grpc")
 
@@ -142,7 +152,7 @@ class GrpcAdapter:
             self.frontend.authorize(_authorization(grpc_context))
             self._message(request, pb.ListProcessorsRequest)
             return processors_pb(self.frontend.processors.describe())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
 
     # -- grpc.health.v1.Health: open, like HTTP's /health ----------------------------------
@@ -161,7 +171,7 @@ class GrpcAdapter:
             if msg.service not in HEALTH_SERVICES:
                 raise reject(grpc_context, grpc.StatusCode.NOT_FOUND, f"service: unknown service {msg.service[:128]!r}")
             return await self._status()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
 
     async def list_health(
@@ -172,7 +182,7 @@ class GrpcAdapter:
             self._message(request, health_pb2.HealthListRequest)
             status = await self._status()
             return health_pb2.HealthListResponse(statuses={name: status for name in HEALTH_SERVICES})
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - _fail maps every failure to its gRPC status
             raise self._fail(grpc_context, exc) from None
 
     async def watch(
@@ -180,6 +190,9 @@ class GrpcAdapter:
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         """UNIMPLEMENTED, which the health protocol tells clients not to retry: a watch would hold
         one of the ingress's ongoing-request slots for as long as any caller, keyless, kept it."""
-        raise reject(grpc_context, grpc.StatusCode.UNIMPLEMENTED,
-                     "grpc.health.v1.Health/Watch is not implemented by this server; poll Check")
+        raise reject(
+            grpc_context,
+            grpc.StatusCode.UNIMPLEMENTED,
+            "grpc.health.v1.Health/Watch is not implemented by this server; poll Check",
+        )
         yield health_pb2.HealthCheckResponse()  # an async generator, as Serve's streaming path calls it

@@ -45,7 +45,12 @@ class FakeEngine:
         return type(self).alive
 
     async def generate(
-        self, request_id: str, prompt: list[int] | str, params: SamplingParams, *, delta: bool = False,
+        self,
+        request_id: str,
+        prompt: list[int] | str,
+        params: SamplingParams,
+        *,
+        delta: bool = False,
         scheduling: object = None,
     ) -> AsyncIterator[RequestOutput]:
         type(self).seen.append((request_id, prompt, params))
@@ -64,9 +69,15 @@ class FakeEngine:
                 last = i == params.max_tokens - 1
                 tok = fake_token(prompt, i)
                 reason = "error" if mode == "error" else ("length" if last else None)
-                out = CompletionOutput(index=0, text=f"<{tok}>", token_ids=[tok], cumulative_logprob=None,
-                                       logprobs=None, finish_reason=reason,
-                                       error="fake processor failed" if mode == "error" else None)
+                out = CompletionOutput(
+                    index=0,
+                    text=f"<{tok}>",
+                    token_ids=[tok],
+                    cumulative_logprob=None,
+                    logprobs=None,
+                    finish_reason=reason,
+                    error="fake processor failed" if mode == "error" else None,
+                )
                 yield RequestOutput(request_id, None, [], [out], finished=last or mode == "error")
                 if mode == "error":
                     return

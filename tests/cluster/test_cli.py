@@ -25,8 +25,23 @@ def test_defaults_are_the_embedded_local_setup():
 
 
 def test_flags_override_the_config():
-    cfg = build_config(parse("--model", "m", "--logits-processors", "a.b:C", "d.e:F", "--num-replicas", "3",
-                             "--http-port", "8100", "--grpc-port", "9100", "--host", "0.0.0.0"))
+    cfg = build_config(
+        parse(
+            "--model",
+            "m",
+            "--logits-processors",
+            "a.b:C",
+            "d.e:F",
+            "--num-replicas",
+            "3",
+            "--http-port",
+            "8100",
+            "--grpc-port",
+            "9100",
+            "--host",
+            "0.0.0.0",
+        )
+    )
     assert cfg.engine.model == "m" and cfg.engine.logits_processors == ("a.b:C", "d.e:F")
     assert cfg.workers.num_replicas == 3 and cfg.workers.autoscaling is None
     assert (cfg.server.host, cfg.server.http_port, cfg.server.grpc_port) == ("0.0.0.0", 8100, 9100)
@@ -78,7 +93,8 @@ def test_generate_into_a_closed_pipe_ends_quietly():
     with serve(FakeLogitPool(delay=0.02)) as running:
         cli = subprocess.Popen(
             [sys.executable, "-m", "cluster.cli", "generate", "hi", "--target", running.target, "--max-tokens", "400"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         assert cli.stdout is not None and cli.stderr is not None
         first = cli.stdout.read(3)  # like `head -c 3`, then the reader is gone

@@ -12,8 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
-from worker.config import EngineConfig
-
 from cluster.config import (
     AutoscalingConfig,
     LogitpoolConfig,
@@ -30,6 +28,7 @@ from cluster.deploy.serve_config import (
     render_yaml,
     serve_config,
 )
+from worker.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -149,12 +148,26 @@ def test_resolve_api_keys_reads_the_named_env_var() -> None:
 
 def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
     """One engine config type: every worker field is settable from the config file, as given."""
-    fields = {"model": "/m", "dtype": "float32", "device": "cpu", "max_num_seqs": 8,
-              "max_num_batched_tokens": 512, "max_model_len": 256, "max_logprobs": 5, "seed": 11,
-              "logits_processors": ["pkg.mod:Proc"], "load_entry_points": False, "reorder_batch": False,
-              "strict_extra_args": False, "block_size": 8, "kv_cache_bytes": 4096,
-              "kv_cache_memory_fraction": 0.5, "enable_prefix_caching": False, "scheduling_policy": "priority",
-              "stream_buffer_outputs": 8}
+    fields = {
+        "model": "/m",
+        "dtype": "float32",
+        "device": "cpu",
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "max_model_len": 256,
+        "max_logprobs": 5,
+        "seed": 11,
+        "logits_processors": ["pkg.mod:Proc"],
+        "load_entry_points": False,
+        "reorder_batch": False,
+        "strict_extra_args": False,
+        "block_size": 8,
+        "kv_cache_bytes": 4096,
+        "kv_cache_memory_fraction": 0.5,
+        "enable_prefix_caching": False,
+        "scheduling_policy": "priority",
+        "stream_buffer_outputs": 8,
+    }
     assert set(fields) == {f.name for f in dataclasses.fields(EngineConfig)}
     cfg = LogitpoolConfig.model_validate({"engine": fields})
     assert type(cfg.engine) is EngineConfig
@@ -168,8 +181,12 @@ def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
 _configs = st.builds(
     lambda seqs, extra, replicas, auto, gpus, port, procs, model: LogitpoolConfig.model_validate(
         {
-            "engine": {"model": model, "max_num_seqs": seqs, "max_num_batched_tokens": seqs + extra,
-                       "logits_processors": procs},
+            "engine": {
+                "model": model,
+                "max_num_seqs": seqs,
+                "max_num_batched_tokens": seqs + extra,
+                "logits_processors": procs,
+            },
             "workers": (
                 {"autoscaling": {"min_replicas": auto[0], "max_replicas": auto[0] + auto[1]}, "num_gpus": gpus}
                 if replicas is None
@@ -263,7 +280,9 @@ def test_deployment_options_apply_to_serve_deployments() -> None:
 
 def test_committed_serve_yaml_is_fresh() -> None:
     committed = (REPO / "cluster" / "serve.yaml").read_text(encoding="utf-8")
-    assert committed == render_yaml(LogitpoolConfig()), "regenerate: python -m cluster.deploy.serve_config -o cluster/serve.yaml"
+    assert committed == render_yaml(LogitpoolConfig()), (
+        "regenerate: python -m cluster.deploy.serve_config -o cluster/serve.yaml"
+    )
 
 
 def test_main_writes_the_file_for_a_config(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def test_echo_only_asks_for_one_token_and_prompt_logprobs():
 
 
 def test_max_tokens_0_without_echo_is_still_rejected():
-    with pytest.raises(ValueError, match="^max_tokens: "):
+    with pytest.raises(ValueError, match=r"^max_tokens: "):
         CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0}).sampling_params()
 
 
@@ -73,8 +73,10 @@ def test_echo_puts_the_prompt_first():
     assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {" cat": -2.0, " mat": -1.0}
     _check_offsets(lp)
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    assert choice["prompt_logprobs"][1] == {"2": {"logprob": -2.0, "rank": 3, "decoded_token": " cat"},
-                                            "5": {"logprob": -1.0, "rank": 1, "decoded_token": " mat"}}
+    assert choice["prompt_logprobs"][1] == {
+        "2": {"logprob": -2.0, "rank": 3, "decoded_token": " cat"},
+        "5": {"logprob": -1.0, "rank": 1, "decoded_token": " mat"},
+    }
 
 
 def test_echo_only_returns_the_prompt_alone():
@@ -116,5 +118,9 @@ def test_each_prompt_echoes_its_own_text_in_all_its_choices():
     echoes = [Echo("A", PROMPT_IDS, None), Echo("B", PROMPT_IDS, None)]
     body = completion_response("id", "m", [a, b], decode, echoes=echoes)
     assert [(ch["index"], ch["text"]) for ch in body["choices"]] == [
-        (0, "A on"), (1, "A mat"), (2, "B mat"), (3, "B on")]
+        (0, "A on"),
+        (1, "A mat"),
+        (2, "B mat"),
+        (3, "B on"),
+    ]
     assert body["usage"]["completion_tokens"] == 4

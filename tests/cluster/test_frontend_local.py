@@ -21,10 +21,11 @@ from cluster import frontend as frontend_module
 from cluster.app import build_app
 from cluster.config import LogitpoolConfig
 from cluster.frontend import Frontend
-from cluster.rpc.service import GrpcAdapter
+from cluster.grpc_servicers import GrpcRejected
 from cluster.openai.adapter import HttpAdapter
 from cluster.openai.routes import build_api
 from cluster.pool_stats import PoolSnapshot
+from cluster.rpc.service import GrpcAdapter
 from cluster.worker_deployment import WorkerDeployment
 from tests.cluster.fake_engine import FakeEngine, fake_token
 
@@ -33,18 +34,25 @@ KEY = "sk-local"
 
 @pytest.fixture(scope="module")
 def cfg(tiny_model_dir) -> LogitpoolConfig:
-    return LogitpoolConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "load_entry_points": False,
-                   "logits_processors": ["tests.fixtures.seed_processors:RaisingLogitsProcessor"]},
-        "api_keys": [KEY],
-    })
+    return LogitpoolConfig.model_validate(
+        {
+            "engine": {
+                "model": str(tiny_model_dir),
+                "load_entry_points": False,
+                "logits_processors": ["tests.fixtures.seed_processors:RaisingLogitsProcessor"],
+            },
+            "api_keys": [KEY],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def worker(cfg: LogitpoolConfig) -> Any:
     handle = serve.run(
         WorkerDeployment.bind(engine=cfg.engine.as_kwargs(), stream_interval_s=0.0, engine_factory=FakeEngine),
-        name="fake-worker", route_prefix=None, _local_testing_mode=True,
+        name="fake-worker",
+        route_prefix=None,
+        _local_testing_mode=True,
     )
     return handle
 
@@ -79,7 +87,7 @@ def events(r: httpx.Response) -> list[Any]:
 def test_dispatch_sends_token_ids_and_validated_params(fe: Frontend) -> None:
     r = http(fe, "POST", "/v1/completions", {"prompt": "def main(", "max_tokens": 3, "temperature": 0.5})
     assert r.status_code == 200, r.text
-    ((rid, prompt, params),) = FakeEngine.seen
+    ((_rid, prompt, params),) = FakeEngine.seen
     assert prompt == fe.tokenizer.encode("def main(")  # tokenized once, at the front end
     assert params.max_tokens == 3 and params.temperature == 0.5
     choice = r.json()["choices"][0]
@@ -113,12 +121,15 @@ def test_chat_streams_through_the_template(fe: Frontend) -> None:
     assert isinstance(prompt, list) and len(prompt) > 1
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ({"prompt": "x", "max_tokens": 2, "temperature": -1}, 400, "temperature"),
-    ({"prompt": "x", "max_tokens": 2, "model": "other"}, 404, "model"),
-    ({"prompt": "", "max_tokens": 2}, 400, "prompt"),
-    ({"prompt": "x", "n": 10_000}, 400, "n"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "x", "max_tokens": 2, "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "max_tokens": 2, "model": "other"}, 404, "model"),
+        ({"prompt": "", "max_tokens": 2}, 400, "prompt"),
+        ({"prompt": "x", "n": 10_000}, 400, "n"),
+    ],
+)
 def test_bad_requests_never_reach_the_worker(fe: Frontend, body: dict, status: int, param: str) -> None:
     r = http(fe, "POST", "/v1/completions", body)
     assert r.status_code == status, r.text
@@ -132,11 +143,14 @@ def test_missing_key_is_401(fe: Frontend) -> None:
     assert http(fe, "GET", "/v1/models", key="wrong").status_code == 401
 
 
-@pytest.mark.parametrize(("mode", "status", "kind", "attempts"), [
-    ("error", 500, "request_failed", 1),  # a processor failed this request: not retried
-    ("invalid", 400, "invalid_request_error", 1),  # the engine's own check said no
-    ("dead", 503, "unavailable", frontend_module.REPLICA_RETRIES + 1),  # retried, then given up
-])
+@pytest.mark.parametrize(
+    ("mode", "status", "kind", "attempts"),
+    [
+        ("error", 500, "request_failed", 1),  # a processor failed this request: not retried
+        ("invalid", 400, "invalid_request_error", 1),  # the engine's own check said no
+        ("dead", 503, "unavailable", frontend_module.REPLICA_RETRIES + 1),  # retried, then given up
+    ],
+)
 def test_engine_failures_map_to_statuses(fe: Frontend, mode: str, status: int, kind: str, attempts: int) -> None:
     FakeEngine.mode = mode
     r = http(fe, "POST", "/v1/completions", {"prompt": [3], "max_tokens": 2})
@@ -204,8 +218,9 @@ def _ctx(key: str | None = KEY) -> RayServegRPCContext:
 
 def test_grpc_generate_and_stream(fe: Frontend) -> None:
     g = GrpcAdapter(fe)
-    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[8, 1]), params=pb.SamplingParams(max_tokens=3),
-                             request_id="client-1")
+    req = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[8, 1]), params=pb.SamplingParams(max_tokens=3), request_id="client-1"
+    )
     out = asyncio.run(g.generate(req, _ctx()))
     expect = [fake_token([8, 1], i) for i in range(3)]
     assert out.request_id == "client-1" and list(out.completions[0].token_ids) == expect
@@ -219,17 +234,22 @@ def test_grpc_generate_and_stream(fe: Frontend) -> None:
     assert msgs[-1].usage.completion_tokens == 3
 
 
-@pytest.mark.parametrize(("mode", "params", "key", "code"), [
-    ("ok", {"max_tokens": 2, "temperature": -1.0}, KEY, grpc.StatusCode.INVALID_ARGUMENT),
-    ("ok", {"max_tokens": 2}, None, grpc.StatusCode.UNAUTHENTICATED),
-    ("error", {"max_tokens": 2}, KEY, grpc.StatusCode.INTERNAL),
-    ("dead", {"max_tokens": 2}, KEY, grpc.StatusCode.UNAVAILABLE),
-])
-def test_grpc_errors_set_the_status(fe: Frontend, mode: str, params: dict, key: str | None, code: grpc.StatusCode) -> None:
+@pytest.mark.parametrize(
+    ("mode", "params", "key", "code"),
+    [
+        ("ok", {"max_tokens": 2, "temperature": -1.0}, KEY, grpc.StatusCode.INVALID_ARGUMENT),
+        ("ok", {"max_tokens": 2}, None, grpc.StatusCode.UNAUTHENTICATED),
+        ("error", {"max_tokens": 2}, KEY, grpc.StatusCode.INTERNAL),
+        ("dead", {"max_tokens": 2}, KEY, grpc.StatusCode.UNAVAILABLE),
+    ],
+)
+def test_grpc_errors_set_the_status(
+    fe: Frontend, mode: str, params: dict, key: str | None, code: grpc.StatusCode
+) -> None:
     FakeEngine.mode = mode
     ctx = _ctx(key)
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[8]), params=pb.SamplingParams(**params))
-    with pytest.raises(Exception):
+    with pytest.raises(GrpcRejected):
         asyncio.run(GrpcAdapter(fe).generate(req, ctx))
     assert ctx.code() == code
 
@@ -246,8 +266,9 @@ def test_whole_application_in_local_mode(cfg: LogitpoolConfig, monkeypatch: pyte
     methods (what Serve's proxy calls) reach the worker deployment."""
     monkeypatch.setattr(FakeEngine, "mode", "ok")
     monkeypatch.setattr(FakeEngine, "seen", [])
-    ingress = serve.run(build_app(cfg, engine_factory=FakeEngine), name="fake-app", route_prefix=None,
-                        _local_testing_mode=True)
+    ingress = serve.run(
+        build_app(cfg, engine_factory=FakeEngine), name="fake-app", route_prefix=None, _local_testing_mode=True
+    )
     req = pb.GenerateRequest(prompt="def", params=pb.SamplingParams(max_tokens=2))
     out = ingress.Generate.remote(req, _ctx()).result(timeout_s=30)
     assert len(out.completions[0].token_ids) == 2 and len(FakeEngine.seen) == 1
@@ -258,8 +279,10 @@ def test_the_frontend_is_transport_free() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, cluster.frontend; "
-            "bad = sorted(m for m in sys.modules if m.startswith(('cluster.openai', 'cluster.rpc')));"
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, cluster.frontend; "
+        "bad = sorted(m for m in sys.modules if m.startswith(('cluster.openai', 'cluster.rpc')));"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stdout + out.stderr

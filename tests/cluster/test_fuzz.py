@@ -61,7 +61,7 @@ def _is_map(f: FieldDescriptor) -> bool:
 
 
 @st.composite
-def messages(draw: st.DrawFn, desc: Descriptor, depth: int = 0, density: float | None = None):  # noqa: ANN201
+def messages(draw: st.DrawFn, desc: Descriptor, depth: int = 0, density: float | None = None):
     """Any message of ``desc``: each field set or not, with extreme values; nesting bounded.
 
     ``density`` is the chance that a field is set, drawn once per request: sparse requests (one
@@ -114,12 +114,14 @@ def fuzz_target(serve_ports, tiny_model_dir):
 
     from cluster.cli.launch import deploy, wait_ready
 
-    cfg = LogitpoolConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "max_num_seqs": 16, "max_model_len": 64},
-        "workers": {"num_replicas": 1, "num_cpus": 1},
-        "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-        "app_name": APP,
-    })
+    cfg = LogitpoolConfig.model_validate(
+        {
+            "engine": {"model": str(tiny_model_dir), "max_num_seqs": 16, "max_model_len": 64},
+            "workers": {"num_replicas": 1, "num_cpus": 1},
+            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
+            "app_name": APP,
+        }
+    )
     cfg = deploy(cfg)
     wait_ready("127.0.0.1", cfg.server.http_port, timeout_s=180)
     yield cfg
@@ -147,7 +149,8 @@ def _check_status(err: grpc.RpcError) -> None:
     event(f"{code.name}: {details.split(':')[0][:40]}")
     # NOT_FOUND only for a `model` other than the served one (HTTP's 404)
     assert code == grpc.StatusCode.INVALID_ARGUMENT or (
-        code == grpc.StatusCode.NOT_FOUND and details.startswith("model: ")), f"{code}: {details}"
+        code == grpc.StatusCode.NOT_FOUND and details.startswith("model: ")
+    ), f"{code}: {details}"
     assert details and "Traceback" not in details and "<class" not in details, details
 
 
@@ -161,14 +164,22 @@ def _check_completion(c: pb.Completion | pb.CompletionDelta) -> None:
 @given(request=messages(pb.GenerateRequest.DESCRIPTOR))
 @example(request=pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_tokens=3, logit_bias={67: 1e308})))
 @example(request=pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_tokens=3, repetition_penalty=1e-300)))
-@example(request=pb.GenerateRequest(prompt="x", params=pb.SamplingParams(
-    max_tokens=3, logprobs=3, logprobs_mode="processed_logprobs", allowed_token_ids=pb.TokenIds(ids=[5, 6]))))
+@example(
+    request=pb.GenerateRequest(
+        prompt="x",
+        params=pb.SamplingParams(
+            max_tokens=3, logprobs=3, logprobs_mode="processed_logprobs", allowed_token_ids=pb.TokenIds(ids=[5, 6])
+        ),
+    )
+)
 def test_grpc_generate_fuzz(channel, request):
     """Every field at extreme values: a valid answer or INVALID_ARGUMENT, never another code."""
     _reach_the_engine(request)
-    call = channel.unary_unary("/logitpool.v1.LogitPool/Generate",
-                               request_serializer=pb.GenerateRequest.SerializeToString,
-                               response_deserializer=pb.GenerateResponse.FromString)
+    call = channel.unary_unary(
+        "/logitpool.v1.LogitPool/Generate",
+        request_serializer=pb.GenerateRequest.SerializeToString,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     try:
         response = call(request, timeout=60)
     except grpc.RpcError as err:
@@ -185,12 +196,18 @@ def test_grpc_generate_fuzz(channel, request):
 @given(request=messages(pb.GenerateRequest.DESCRIPTOR))
 def test_grpc_stream_fuzz(channel, request):
     _reach_the_engine(request)
-    call = channel.unary_stream("/logitpool.v1.LogitPool/GenerateStream",
-                                request_serializer=pb.GenerateRequest.SerializeToString,
-                                response_deserializer=pb.GenerateStreamResponse.FromString)
+    call = channel.unary_stream(
+        "/logitpool.v1.LogitPool/GenerateStream",
+        request_serializer=pb.GenerateRequest.SerializeToString,
+        response_deserializer=pb.GenerateStreamResponse.FromString,
+    )
     try:
-        finished = [d.finish_reason for msg in call(request, timeout=60) for d in msg.deltas
-                    if (_check_completion(d) or True) and d.finish_reason]
+        finished = [
+            d.finish_reason
+            for msg in call(request, timeout=60)
+            for d in msg.deltas
+            if (_check_completion(d) or True) and d.finish_reason
+        ]
     except grpc.RpcError as err:
         _check_status(err)
         return
@@ -243,8 +260,14 @@ def test_http_schemathesis(openapi_schema):
         # Negative generation needs something to break: the request bodies (GETs take no input).
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if op.method.upper() == "POST" else [])
         for mode in modes:
-            @settings(max_examples=HTTP_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-                      derandomize=True, database=None)
+
+            @settings(
+                max_examples=HTTP_EXAMPLES,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                derandomize=True,
+                database=None,
+            )
             @given(case=op.as_strategy(generation_mode=mode))
             def run(case):
                 case.call_and_validate(checks=HTTP_CHECKS, timeout=60)

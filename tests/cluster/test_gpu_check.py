@@ -10,15 +10,18 @@ from cluster.gpu_check import gpu_problem
 from cluster.worker_deployment import replica_engine_config
 
 
-@pytest.mark.parametrize(("gpu_ids", "device", "cuda", "allow_cpu", "fails"), [
-    ([0], None, False, False, True),      # GPU assigned, CPU-only torch: refuse
-    ([0], None, False, True, False),      # ... unless device: auto
-    ([0], "cpu", False, False, False),    # explicitly CPU
-    ([0], None, True, False, False),      # CUDA present
-    ([], None, False, False, False),      # a CPU deployment
-    ([], "cuda", False, True, True),      # explicitly CUDA, none there: refuse even with auto
-    ([1], "cuda:0", True, False, False),
-])
+@pytest.mark.parametrize(
+    ("gpu_ids", "device", "cuda", "allow_cpu", "fails"),
+    [
+        ([0], None, False, False, True),  # GPU assigned, CPU-only torch: refuse
+        ([0], None, False, True, False),  # ... unless device: auto
+        ([0], "cpu", False, False, False),  # explicitly CPU
+        ([0], None, True, False, False),  # CUDA present
+        ([], None, False, False, False),  # a CPU deployment
+        ([], "cuda", False, True, True),  # explicitly CUDA, none there: refuse even with auto
+        ([1], "cuda:0", True, False, False),
+    ],
+)
 def test_gpu_problem(gpu_ids, device, cuda, allow_cpu, fails):
     problem = gpu_problem(gpu_ids, device, cuda, allow_cpu, "1" if gpu_ids else None)
     assert (problem is not None) == fails

@@ -35,8 +35,11 @@ HTTP_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "
 # -- max_tokens against the context: a plain reference ----------------------------------------
 
 
-@given(prompt_len=st.integers(1, MAX_MODEL_LEN - 1),
-       max_tokens=st.one_of(st.just(INT64_MAX), st.integers(1, 2 * MAX_MODEL_LEN)), min_frac=st.floats(0, 1))
+@given(
+    prompt_len=st.integers(1, MAX_MODEL_LEN - 1),
+    max_tokens=st.one_of(st.just(INT64_MAX), st.integers(1, 2 * MAX_MODEL_LEN)),
+    min_frac=st.floats(0, 1),
+)
 def test_fit_to_context_matches_the_reference(prompt_len: int, max_tokens: int, min_frac: float) -> None:
     min_tokens = int(min(max_tokens, 4 * MAX_MODEL_LEN) * min_frac)
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens)
@@ -59,12 +62,16 @@ def app(serve_ports, tiny_model_dir):
 
     from cluster.cli.launch import deploy, wait_ready
 
-    cfg = LogitpoolConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN},
-        "workers": {"num_replicas": 1},
-        "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-        "app_name": APP, "served_model_name": SERVED, "api_keys": [KEY],
-    })
+    cfg = LogitpoolConfig.model_validate(
+        {
+            "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN},
+            "workers": {"num_replicas": 1},
+            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
+            "app_name": APP,
+            "served_model_name": SERVED,
+            "api_keys": [KEY],
+        }
+    )
     deploy(cfg)
     wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
     yield cfg
@@ -92,8 +99,11 @@ def _http(app: LogitpoolConfig, fields: dict[str, Any], authorization: str | Non
 
 def _grpc(channel: grpc.Channel, fields: dict[str, Any], authorization: str | None) -> tuple[str, str, int]:
     prompt = fields.get("prompt", PROMPT)
-    req = pb.GenerateRequest(prompt=prompt) if isinstance(prompt, str) else pb.GenerateRequest(
-        prompt_token_ids=pb.TokenIds(ids=prompt))
+    req = (
+        pb.GenerateRequest(prompt=prompt)
+        if isinstance(prompt, str)
+        else pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt))
+    )
     if "model" in fields:
         req.model = fields["model"]
     for name in ("max_tokens", "ignore_eos"):
@@ -106,16 +116,23 @@ def _grpc(channel: grpc.Channel, fields: dict[str, Any], authorization: str | No
     return "OK", "", out.usage.completion_tokens
 
 
-def call(protocol: str, app: LogitpoolConfig, channel: grpc.Channel, fields: dict[str, Any],
-         authorization: str | None = f"Bearer {KEY}") -> tuple[str, str, int]:
+def call(
+    protocol: str,
+    app: LogitpoolConfig,
+    channel: grpc.Channel,
+    fields: dict[str, Any],
+    authorization: str | None = f"Bearer {KEY}",
+) -> tuple[str, str, int]:
     """(status as a gRPC code name, error message, completion tokens) of one completion request."""
-    return (_http(app, fields, authorization) if protocol == "http" else _grpc(channel, fields, authorization))
+    return _http(app, fields, authorization) if protocol == "http" else _grpc(channel, fields, authorization)
 
 
 ROOM = MAX_MODEL_LEN - len(PROMPT)
-CONTEXT_400 = (f"max_tokens: This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
-               f"{ROOM + 1} output tokens and your prompt contains {len(PROMPT)} input tokens, for a total of "
-               f"{MAX_MODEL_LEN + 1} tokens.")
+CONTEXT_400 = (
+    f"max_tokens: This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+    f"{ROOM + 1} output tokens and your prompt contains {len(PROMPT)} input tokens, for a total of "
+    f"{MAX_MODEL_LEN + 1} tokens."
+)
 RULES: list[tuple[str, dict[str, Any], str, str, int | None]] = [
     # name, request fields, status, message (prefix), completion tokens
     ("unknown_model", {"model": "gpt-4"}, "NOT_FOUND", "model: the model `gpt-4` does not exist", None),
@@ -155,11 +172,18 @@ def test_chat_max_tokens_past_the_context_is_400(app):
 
 @ray
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-@pytest.mark.parametrize(("authorization", "status"), [
-    (f"bearer {KEY}", "OK"), (f"BEARER {KEY}", "OK"), (f"Bearer   {KEY}", "OK"),
-    (f"Basic {KEY}", "UNAUTHENTICATED"), ("Bearer", "UNAUTHENTICATED"), (f"Bearer {KEY}x", "UNAUTHENTICATED"),
-    (None, "UNAUTHENTICATED"),
-])
+@pytest.mark.parametrize(
+    ("authorization", "status"),
+    [
+        (f"bearer {KEY}", "OK"),
+        (f"BEARER {KEY}", "OK"),
+        (f"Bearer   {KEY}", "OK"),
+        (f"Basic {KEY}", "UNAUTHENTICATED"),
+        ("Bearer", "UNAUTHENTICATED"),
+        (f"Bearer {KEY}x", "UNAUTHENTICATED"),
+        (None, "UNAUTHENTICATED"),
+    ],
+)
 def test_the_bearer_scheme_is_case_insensitive(app, channel, protocol, authorization, status):
     got, message, _ = call(protocol, app, channel, {"max_tokens": 1}, authorization=authorization)
     assert got == status, message
@@ -205,8 +229,11 @@ def _serve_logs() -> dict[Path, int]:
     import ray as ray_module
 
     logs = Path(ray_module._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return {p: p.stat().st_size for p in logs.glob("*.log")
-            if p.name.startswith("proxy_") or p.name.startswith(f"replica_{APP}_LogitpoolIngress")}
+    return {
+        p: p.stat().st_size
+        for p in logs.glob("*.log")
+        if p.name.startswith("proxy_") or p.name.startswith(f"replica_{APP}_LogitpoolIngress")
+    }
 
 
 def _appended(before: dict[Path, int]) -> str:
@@ -221,12 +248,16 @@ def _appended(before: dict[Path, int]) -> str:
 @ray
 def test_rejected_calls_are_one_log_line_not_a_traceback(app, channel):
     before = _serve_logs()
-    rejected = [call("grpc", app, channel, {"model": "gpt-4"}), call("grpc", app, channel, {"prompt": ""}),
-                call("grpc", app, channel, {"max_tokens": 1}, authorization=None)]
+    rejected = [
+        call("grpc", app, channel, {"model": "gpt-4"}),
+        call("grpc", app, channel, {"prompt": ""}),
+        call("grpc", app, channel, {"max_tokens": 1}, authorization=None),
+    ]
     assert [r[0] for r in rejected] == ["NOT_FOUND", "INVALID_ARGUMENT", "UNAUTHENTICATED"]
     with pytest.raises(grpc.RpcError):
-        list(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30,
-                                                         metadata=_meta(None)))
+        list(
+            health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30, metadata=_meta(None))
+        )
     deadline, text = time.monotonic() + 30, ""
     while time.monotonic() < deadline:  # Serve writes its logs asynchronously
         text = _appended(before)
@@ -251,7 +282,7 @@ def test_serve_details_of_more_than_one_line_never_reach_the_client():
 
     from cluster.grpc_servicers import add_HealthServicer_to_server
 
-    traceback = "ray::ServeReplica (pid=123, actor_id=abc)\nTraceback (most recent call last):\n  File \"x.py\""
+    traceback = 'ray::ServeReplica (pid=123, actor_id=abc)\nTraceback (most recent call last):\n  File "x.py"'
 
     def factory(service_method: str, streaming_type: Any) -> Any:
         async def unary(request: Any, context: Any) -> bytes:

@@ -33,12 +33,14 @@ def app(serve_ports, tiny_model_dir):
 
     from cluster.cli.launch import deploy, wait_ready
 
-    cfg = LogitpoolConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": 512},
-        "workers": {"num_replicas": 1},
-        "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-        "app_name": APP,
-    })
+    cfg = LogitpoolConfig.model_validate(
+        {
+            "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": 512},
+            "workers": {"num_replicas": 1},
+            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
+            "app_name": APP,
+        }
+    )
     deploy(cfg)
     wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
     yield cfg
@@ -104,23 +106,29 @@ def test_deep_nesting_is_400(base, depth):
     assert "limits.max_json_depth" in error_of(post(base, body), 400)["message"]
 
 
-@pytest.mark.parametrize(("body", "limit"), [
-    ({"prompt": "x", "vllm_xargs": {f"k{i}": i for i in range(10_000)}}, "max_extra_args_keys"),
-    ({"prompt": "x", "n": 2000}, "max_n"),
-    ({"prompt": ["x"] * 400, "max_tokens": 1}, "max_prompts"),
-    ({"prompt": "x", "stop": ["a"] * 100}, "max_stop"),
-])
+@pytest.mark.parametrize(
+    ("body", "limit"),
+    [
+        ({"prompt": "x", "vllm_xargs": {f"k{i}": i for i in range(10_000)}}, "max_extra_args_keys"),
+        ({"prompt": "x", "n": 2000}, "max_n"),
+        ({"prompt": ["x"] * 400, "max_tokens": 1}, "max_prompts"),
+        ({"prompt": "x", "stop": ["a"] * 100}, "max_stop"),
+    ],
+)
 def test_limits_are_400_naming_the_limit(base, body, limit):
     assert f"limits.{limit}" in error_of(post(base, body), 400)["message"]
 
 
-@pytest.mark.parametrize(("path", "body", "field"), [
-    ("/v1/completions", '{"prompt": "x", "model": "\\ud800"}', "model"),
-    ("/v1/completions", '{"prompt": "a\\udfffb"}', "prompt"),
-    ("/v1/completions", '{"prompt": "x", "bad_words": ["\\ud800"]}', "bad_words.0"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
-    ("/v1/chat/completions", '{"messages": [{"role": "\\ud83d", "content": "x"}]}', "messages.0.role"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", '{"prompt": "x", "model": "\\ud800"}', "model"),
+        ("/v1/completions", '{"prompt": "a\\udfffb"}', "prompt"),
+        ("/v1/completions", '{"prompt": "x", "bad_words": ["\\ud800"]}', "bad_words.0"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
+        ("/v1/chat/completions", '{"messages": [{"role": "\\ud83d", "content": "x"}]}', "messages.0.role"),
+    ],
+)
 def test_lone_surrogates_are_400(base, path, body, field):
     err = error_of(post(base, body, path), 400)
     assert err["param"] == field and "surrogate" in err["message"]
@@ -136,8 +144,14 @@ def test_framework_errors_are_json(base):
 
 
 def test_non_finite_logprobs_stay_valid_json(base):
-    body = {"prompt": "x", "max_tokens": 3, "allowed_token_ids": [5, 6], "logprobs": 3,
-            "logprobs_mode": "processed_logprobs", "ignore_eos": True}
+    body = {
+        "prompt": "x",
+        "max_tokens": 3,
+        "allowed_token_ids": [5, 6],
+        "logprobs": 3,
+        "logprobs_mode": "processed_logprobs",
+        "ignore_eos": True,
+    }
     r = post(base, body)
     assert r.status_code == 200, r.text[:300]
     assert "Infinity" not in r.text and "NaN" not in r.text
@@ -174,11 +188,11 @@ def test_grpc_deep_extra_args_are_invalid_argument(channel):
 
 
 def test_grpc_applies_the_same_limits(client):
-    with pytest.raises(InvalidArgument, match="limits.max_n"):
+    with pytest.raises(InvalidArgument, match=r"limits.max_n"):
         client.generate("x", n=2000)
-    with pytest.raises(InvalidArgument, match="limits.max_extra_args_keys"):
+    with pytest.raises(InvalidArgument, match=r"limits.max_extra_args_keys"):
         client.generate("x", extra_args={f"k{i}": i for i in range(10_000)})
-    with pytest.raises(InvalidArgument, match="limits.max_stop"):
+    with pytest.raises(InvalidArgument, match=r"limits.max_stop"):
         client.generate("x", bad_words=["w"] * 100)
     assert len(client.generate("x", max_tokens=2, ignore_eos=True).token_ids) == 2
 
@@ -202,9 +216,15 @@ def test_metrics_cover_the_whole_pool(base):
         if 'logitpool_sequences_finished_total{reason="length"}' in text:
             break
         time.sleep(0.5)
-    for name in ('logitpool_worker_replicas{state="alive"} 1.0', "logitpool_running_sequences",
-                 "logitpool_waiting_sequences", 'logitpool_sequences_finished_total{reason="length"}',
-                 "logitpool_engine_restarts_total", 'stat="bytes"', 'logitpool_requests_rejected_total{protocol="http",status="400"}'):
+    for name in (
+        'logitpool_worker_replicas{state="alive"} 1.0',
+        "logitpool_running_sequences",
+        "logitpool_waiting_sequences",
+        'logitpool_sequences_finished_total{reason="length"}',
+        "logitpool_engine_restarts_total",
+        'stat="bytes"',
+        'logitpool_requests_rejected_total{protocol="http",status="400"}',
+    ):
         assert name in text, name
 
 
@@ -223,8 +243,10 @@ def test_slowloris_is_cut_off_while_others_are_served(base, app):
     for i in range(40):
         s = socket.create_connection(("127.0.0.1", port), timeout=2)
         if i % 2:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                      b"content-length: 1000\r\n\r\n{")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: 1000\r\n\r\n{"
+            )
         else:
             s.sendall(b"GET /health HTTP/1.1\r\n")
         socks.append(s)
@@ -252,7 +274,7 @@ def test_slowloris_is_cut_off_while_others_are_served(base, app):
                     data = s.recv(4096)
                     if data == b"" or b"408" in data:
                         closed_after[i] = time.monotonic() - start
-                except (BlockingIOError, socket.timeout):
+                except (TimeoutError, BlockingIOError):
                     pass
                 except OSError:  # reset / broken pipe: closed by the server
                     closed_after[i] = time.monotonic() - start
@@ -266,9 +288,11 @@ def test_slowloris_is_cut_off_while_others_are_served(base, app):
     assert max(closed_after.values()) < TEST_READ_TIMEOUT_S + 6
     assert latencies, "no normal request completed during the attack"
     med = sorted(latencies)[len(latencies) // 2]
-    print(f"slowloris: 40 sockets closed after max {max(closed_after.values()):.1f}s (timeout "
-          f"{TEST_READ_TIMEOUT_S}s); normal requests: median {med * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms "
-          f"during ({len(latencies)}), median {sorted(baseline)[5] * 1000:.0f} ms before")
+    print(
+        f"slowloris: 40 sockets closed after max {max(closed_after.values()):.1f}s (timeout "
+        f"{TEST_READ_TIMEOUT_S}s); normal requests: median {med * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms "
+        f"during ({len(latencies)}), median {sorted(baseline)[5] * 1000:.0f} ms before"
+    )
 
 
 # -- engine death (last: it replaces the replica) -------------------------------------------

@@ -52,17 +52,20 @@ def _set(values: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str,
     return values
 
 
-@pytest.mark.parametrize(("path", "bad"), [
-    (("engine", "maxNumSeqs"), 0),
-    (("engine", "kvCacheMemoryFraction"), 1.5),
-    (("engine", "reorderBatch"), "maybe"),
-    (("model", "dtype"), "float8"),
-    (("logitsProcessors",), ["not a class"]),
-    (("workers", "autoscaling", "maxReplicas"), 0),
-    (("ports", "http"), 70000),
-    (("limits", "max_n"), 0),
-    (("engine", "maxNumSeq"), 8),  # a typo: unknown keys fail
-])
+@pytest.mark.parametrize(
+    ("path", "bad"),
+    [
+        (("engine", "maxNumSeqs"), 0),
+        (("engine", "kvCacheMemoryFraction"), 1.5),
+        (("engine", "reorderBatch"), "maybe"),
+        (("model", "dtype"), "float8"),
+        (("logitsProcessors",), ["not a class"]),
+        (("workers", "autoscaling", "maxReplicas"), 0),
+        (("ports", "http"), 70000),
+        (("limits", "max_n"), 0),
+        (("engine", "maxNumSeq"), 8),  # a typo: unknown keys fail
+    ],
+)
 def test_schema_rejects_what_the_config_rejects(path: tuple[str, ...], bad: Any) -> None:
     values = _set(_values(), path, bad)
     assert not _validator().is_valid(values)

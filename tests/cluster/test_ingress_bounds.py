@@ -33,13 +33,15 @@ def app(serve_ports, tiny_model_dir):
 
     from cluster.cli.launch import deploy, wait_ready
 
-    cfg = LogitpoolConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "max_num_seqs": 16, "max_model_len": 512},
-        "workers": {"num_replicas": 1},
-        "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-        "limits": {"max_response_logprobs": RESPONSE_LIMIT},
-        "app_name": APP,
-    })
+    cfg = LogitpoolConfig.model_validate(
+        {
+            "engine": {"model": str(tiny_model_dir), "max_num_seqs": 16, "max_model_len": 512},
+            "workers": {"num_replicas": 1},
+            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
+            "limits": {"max_response_logprobs": RESPONSE_LIMIT},
+            "app_name": APP,
+        }
+    )
     deploy(cfg)
     wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
     yield cfg
@@ -149,19 +151,24 @@ def test_eight_32_mib_headers_are_cut_off_while_health_is_served(base, app):
         poller.join(90)
     assert all(0 <= s < 8 << 20 for s in sent), sent
     assert health and set(health) == {200}
-    print(f"header flood: 8 x 32 MiB refused after {max(sent) >> 10} KiB at most; proxy RSS "
-          f"{rss_before:.0f} -> {_proxy_rss_mb(app.server.http_port):.0f} MB; /health {len(health)} x 200 meanwhile")
+    print(
+        f"header flood: 8 x 32 MiB refused after {max(sent) >> 10} KiB at most; proxy RSS "
+        f"{rss_before:.0f} -> {_proxy_rss_mb(app.server.http_port):.0f} MB; /health {len(health)} x 200 meanwhile"
+    )
 
 
 # -- item 8: UTF-8 only -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("path", "text", "encoding"), [
-    ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "\\ud800"}}', "utf-16"),
-    ("/v1/completions", '{"prompt": "x", "model": "\\udfff", "user": "\\ud800"}', "utf-16-le"),
-    ("/v1/completions", '{"prompt": "x", "max_tokens": 2}', "utf-32"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "utf-16-be"),
-])
+@pytest.mark.parametrize(
+    ("path", "text", "encoding"),
+    [
+        ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "\\ud800"}}', "utf-16"),
+        ("/v1/completions", '{"prompt": "x", "model": "\\udfff", "user": "\\ud800"}', "utf-16-le"),
+        ("/v1/completions", '{"prompt": "x", "max_tokens": 2}', "utf-32"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "utf-16-be"),
+    ],
+)
 def test_json_in_another_encoding_is_415(base, path, text, encoding):
     err = error_of(post(base, text.encode(encoding), path), 415)
     assert err["message"].startswith("body: JSON must be UTF-8")
@@ -197,8 +204,15 @@ def test_a_large_response_streams_as_json_the_sdk_reads(base, oai, app):
     """80 choices (2 prompts x n 40) with echo and prompt logprobs: written in pieces (chunked,
     no content-length), one valid JSON document; every choice of a prompt carries its prompt's
     logprobs, as vLLM's response does."""
-    body = {"prompt": ["The quick brown fox", "Once upon a time"], "n": 40, "max_tokens": 4, "temperature": 0,
-            "logprobs": 2, "echo": True, "prompt_logprobs": 2}
+    body = {
+        "prompt": ["The quick brown fox", "Once upon a time"],
+        "n": 40,
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": 2,
+        "echo": True,
+        "prompt_logprobs": 2,
+    }
     r = post(base, body)
     assert r.status_code == 200, r.text[:300]
     assert "content-length" not in r.headers and r.headers.get("transfer-encoding") == "chunked"
@@ -207,8 +221,16 @@ def test_a_large_response_streams_as_json_the_sdk_reads(base, oai, app):
     for group in (doc["choices"][:40], doc["choices"][40:]):
         assert all(c["prompt_logprobs"] == group[0]["prompt_logprobs"] for c in group)
         assert group[0]["prompt_logprobs"][0] is None and len(group[0]["prompt_logprobs"]) > 1
-    sdk = oai.completions.create(model=app.served_name, prompt=body["prompt"], n=40, max_tokens=4, temperature=0,
-                                 logprobs=2, echo=True, extra_body={"prompt_logprobs": 2})
+    sdk = oai.completions.create(
+        model=app.served_name,
+        prompt=body["prompt"],
+        n=40,
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        echo=True,
+        extra_body={"prompt_logprobs": 2},
+    )
     assert len(sdk.choices) == 80 and sdk.usage.prompt_tokens == doc["usage"]["prompt_tokens"]
 
 
@@ -255,5 +277,7 @@ def test_overlong_prompts_are_refused_while_health_is_served(base, client):
     assert health, "no /health answer during the attack"
     with pytest.raises(InvalidArgument, match="cannot fit in max_model_len"):
         client.generate(huge, max_tokens=2)
-    print(f"8 x 1 MB prompts: all 400 within {took:.2f}s; /health during: {len(health)} answers, "
-          f"max {max(health) * 1000:.0f} ms")
+    print(
+        f"8 x 1 MB prompts: all 400 within {took:.2f}s; /health during: {len(health)} answers, "
+        f"max {max(health) * 1000:.0f} ms"
+    )

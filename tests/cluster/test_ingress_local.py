@@ -19,13 +19,13 @@ from ray import serve
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster import frontend as frontend_module
-from cluster.openai import adapter as http_adapter
 from cluster.config import LogitpoolConfig
 from cluster.frontend import Frontend
-from cluster.rpc.service import GrpcAdapter
 from cluster.grpc_servicers import GrpcRejected
+from cluster.openai import adapter as http_adapter
 from cluster.openai.adapter import HttpAdapter
 from cluster.openai.routes import build_api
+from cluster.rpc.service import GrpcAdapter
 from cluster.worker_deployment import WorkerDeployment
 from tests.cluster.fake_engine import FakeEngine
 from tests.cluster.test_frontend_local import KEY, _ctx
@@ -36,18 +36,22 @@ MARK = "<<slow>>"
 
 @pytest.fixture(scope="module")
 def cfg(tiny_model_dir) -> LogitpoolConfig:
-    return LogitpoolConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "load_entry_points": False},
-        "api_keys": [KEY],
-        "limits": {"max_prompts": 100, "max_n": 100, "max_response_logprobs": RESPONSE_LIMIT},
-    })
+    return LogitpoolConfig.model_validate(
+        {
+            "engine": {"model": str(tiny_model_dir), "load_entry_points": False},
+            "api_keys": [KEY],
+            "limits": {"max_prompts": 100, "max_n": 100, "max_response_logprobs": RESPONSE_LIMIT},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def worker(cfg: LogitpoolConfig) -> Any:
     return serve.run(
         WorkerDeployment.bind(engine=cfg.engine.as_kwargs(), stream_interval_s=0.0, engine_factory=FakeEngine),
-        name="fake-worker-bounds", route_prefix=None, _local_testing_mode=True,
+        name="fake-worker-bounds",
+        route_prefix=None,
+        _local_testing_mode=True,
     )
 
 
@@ -82,8 +86,9 @@ def fe(cfg: LogitpoolConfig, worker: Any, monkeypatch: pytest.MonkeyPatch) -> It
 
 def client(fe: Frontend) -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=build_api(HttpAdapter(fe)))
-    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60,
-                             headers={"Authorization": f"Bearer {KEY}"})
+    return httpx.AsyncClient(
+        transport=transport, base_url="http://test", timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+    )
 
 
 def post(fe: Frontend, path: str, body: dict) -> httpx.Response:
@@ -122,7 +127,7 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(fe: Frontend, build
     request are answered; then the long one completes too."""
     spy = fe.tokenizer.encode
     path, body = build("the end. " * 500 + MARK)  # about 1,500 tokens: fits
-    assert frontend_module.INLINE_PROMPT_CHARS < len(body.get("prompt") or body["messages"][0]["content"])
+    assert len(body.get("prompt") or body["messages"][0]["content"]) > frontend_module.INLINE_PROMPT_CHARS
 
     async def scenario() -> tuple[int, int, bool, int]:
         async with client(fe) as c:
@@ -144,12 +149,15 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(fe: Frontend, build
 # -- item 2: the response a request may ask for -----------------------------------------------
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": [[5] * 100] * 6, "max_tokens": 1, "prompt_logprobs": 3},  # 6 x 100 x 4 = 2400
-    {"prompt": [[5] * 100] * 2, "max_tokens": 1, "n": 3, "prompt_logprobs": 3},  # copied per choice: 2400
-    {"prompt": [[5] * 100], "max_tokens": 1, "n": 3, "echo": True, "logprobs": 3},  # and echoed: 2412
-    {"prompt": "x", "max_tokens": 600, "logprobs": 3},  # 600 x 4 generated
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": [[5] * 100] * 6, "max_tokens": 1, "prompt_logprobs": 3},  # 6 x 100 x 4 = 2400
+        {"prompt": [[5] * 100] * 2, "max_tokens": 1, "n": 3, "prompt_logprobs": 3},  # copied per choice: 2400
+        {"prompt": [[5] * 100], "max_tokens": 1, "n": 3, "echo": True, "logprobs": 3},  # and echoed: 2412
+        {"prompt": "x", "max_tokens": 600, "logprobs": 3},  # 600 x 4 generated
+    ],
+)
 def test_a_response_over_the_limit_is_400_before_dispatch(fe: Frontend, body: dict) -> None:
     r = post(fe, "/v1/completions", body)
     assert r.status_code == 400, r.text
@@ -164,9 +172,10 @@ def test_a_response_within_the_limit_is_served(fe: Frontend) -> None:
 
 def test_grpc_applies_the_same_response_limit(fe: Frontend) -> None:
     ctx = _ctx()
-    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[8] * 10),
-                             params=pb.SamplingParams(max_tokens=600, logprobs=3))
-    with pytest.raises(GrpcRejected, match="limits.max_response_logprobs") as err:
+    req = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[8] * 10), params=pb.SamplingParams(max_tokens=600, logprobs=3)
+    )
+    with pytest.raises(GrpcRejected, match=r"limits.max_response_logprobs") as err:
         asyncio.run(GrpcAdapter(fe).generate(req, ctx))
     assert err.value.code == ctx.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "limits.max_response_logprobs" in ctx.details() and FakeEngine.seen == []
@@ -178,12 +187,16 @@ def _normalized(r: httpx.Response) -> bytes:
     return re.sub(rb'"created":\d+', b'"created":0', body)
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    ("/v1/completions", {"prompt": [[i + 3, 7] for i in range(70)], "max_tokens": 3, "return_token_ids": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 70}),
-])
-def test_a_large_response_is_written_in_pieces_the_same_bytes(fe: Frontend, monkeypatch: pytest.MonkeyPatch,
-                                                               path: str, body: dict) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": [[i + 3, 7] for i in range(70)], "max_tokens": 3, "return_token_ids": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 70}),
+    ],
+)
+def test_a_large_response_is_written_in_pieces_the_same_bytes(
+    fe: Frontend, monkeypatch: pytest.MonkeyPatch, path: str, body: dict
+) -> None:
     streamed = post(fe, path, body)  # 70 choices asked for: over STREAM_ABOVE_CHOICES
     monkeypatch.setattr(http_adapter, "STREAM_ABOVE_CHOICES", 10_000)
     whole = post(fe, path, body)

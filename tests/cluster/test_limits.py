@@ -61,7 +61,9 @@ def _depth(value) -> int:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(alphabet='ab[]{}"\\,:'),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='k[]{"', max_size=3), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='k[]{"', max_size=3), inner, max_size=3)
+    ),
     max_leaves=30,
 )
 
@@ -75,16 +77,16 @@ def test_depth_scan_equals_the_parsed_depth(value, limit):
 def test_nesting_100k_deep_is_rejected_without_recursion():
     for depth in (100_000, 500):
         body = b'{"prompt":"x","vllm_xargs":' + b'{"a":' * depth + b"1" + b"}" * depth + b"}"
-        with pytest.raises(ValueError, match="limits.max_json_depth"):
+        with pytest.raises(ValueError, match=r"limits.max_json_depth"):
             parse_json(Limits(max_body_bytes=10 << 20), body)
         body = b"[" * depth + b"]" * depth
-        with pytest.raises(ValueError, match="limits.max_json_depth"):
+        with pytest.raises(ValueError, match=r"limits.max_json_depth"):
             parse_json(Limits(max_body_bytes=10 << 20), body)
     assert sys.getrecursionlimit() < 100_000
 
 
 def test_body_size_and_strict_json():
-    with pytest.raises(PayloadTooLarge, match="limits.max_body_bytes") as err:
+    with pytest.raises(PayloadTooLarge, match=r"limits.max_body_bytes") as err:
         parse_json(Limits(max_body_bytes=10), b'{"prompt": "0123456789"}')
     assert classify(err.value).http == 413
     for bad in (b'{"logit_bias": {"5": NaN}}', b'{"x": Infinity}', b'{"x": -Infinity}', b'{"x": 1e400}'):
@@ -97,13 +99,16 @@ def test_body_size_and_strict_json():
     assert parse_json(LIMITS, b'{"prompt": "[{\\"x"}') == {"prompt": '[{"x'}
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ('{"model": "\\ud800"}', "model"),
-    ('{"prompt": ["ok", "x\\udfff"]}', "prompt.1"),
-    ('{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
-    ('{"messages": [{"role": "\\udc00", "content": "x"}]}', "messages.0.role"),
-    ('{"bad_words": ["\\ud800"]}', "bad_words.0"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ('{"model": "\\ud800"}', "model"),
+        ('{"prompt": ["ok", "x\\udfff"]}', "prompt.1"),
+        ('{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
+        ('{"messages": [{"role": "\\udc00", "content": "x"}]}', "messages.0.role"),
+        ('{"bad_words": ["\\ud800"]}', "bad_words.0"),
+    ],
+)
 def test_lone_surrogates_are_named(body, field):
     with pytest.raises(ValueError, match="lone surrogate") as err:
         parse_json(LIMITS, body.encode())
@@ -113,17 +118,20 @@ def test_lone_surrogates_are_named(body, field):
     assert parse_json(LIMITS, b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
 
 
-@pytest.mark.parametrize(("kw", "prompts", "limit"), [
-    ({"n": 2000}, 1, "max_n"),
-    ({}, 400, "max_prompts"),
-    ({"stop": ["s"] * 33}, 1, "max_stop"),
-    ({"stop": ["s" * 513]}, 1, "max_stop_chars"),
-    ({"bad_words": ["w"] * 33}, 1, "max_stop"),
-    ({"logit_bias": {i: 1.0 for i in range(1025)}}, 1, "max_logit_bias"),
-    ({"allowed_token_ids": list(range(LIMITS.max_allowed_token_ids + 1))}, 1, "max_allowed_token_ids"),
-    ({"extra_args": {f"k{i}": i for i in range(10_000)}}, 1, "max_extra_args_keys"),
-    ({"extra_args": {"a": "x" * 70_000}}, 1, "max_extra_args_bytes"),
-])
+@pytest.mark.parametrize(
+    ("kw", "prompts", "limit"),
+    [
+        ({"n": 2000}, 1, "max_n"),
+        ({}, 400, "max_prompts"),
+        ({"stop": ["s"] * 33}, 1, "max_stop"),
+        ({"stop": ["s" * 513]}, 1, "max_stop_chars"),
+        ({"bad_words": ["w"] * 33}, 1, "max_stop"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, 1, "max_logit_bias"),
+        ({"allowed_token_ids": list(range(LIMITS.max_allowed_token_ids + 1))}, 1, "max_allowed_token_ids"),
+        ({"extra_args": {f"k{i}": i for i in range(10_000)}}, 1, "max_extra_args_keys"),
+        ({"extra_args": {"a": "x" * 70_000}}, 1, "max_extra_args_bytes"),
+    ],
+)
 def test_request_limits_name_the_limit(kw, prompts, limit):
     params = SamplingParams(**kw)
     with pytest.raises(ValueError, match=f"limits.{limit}") as err:
@@ -143,10 +151,10 @@ def _nested(depth: int) -> dict:
 
 
 def test_extra_args_depth_is_checked_without_recursion():
-    with pytest.raises(ValueError, match="limits.max_extra_args_depth"):
+    with pytest.raises(ValueError, match=r"limits.max_extra_args_depth"):
         check_request(LIMITS, SamplingParams(extra_args=_nested(50)), 1)
     # Far past any limit, SamplingParams' own backstop answers first, still a ValueError.
-    with pytest.raises(ValueError, match="^extra_args"):
+    with pytest.raises(ValueError, match=r"^extra_args"):
         SamplingParams(extra_args=_nested(5000))
     check_request(LIMITS, SamplingParams(extra_args={"a": {"b": [1, {"c": 2}]}}), 1)
 
@@ -177,8 +185,10 @@ def test_responses_never_carry_nan_or_infinity():
 
 def test_the_proxy_defers_parsing_and_a_malformed_message_is_a_value_error():
     handler = grpc.unary_unary_rpc_method_handler(
-        lambda r, c: None, request_deserializer=pb.GenerateRequest.FromString,
-        response_serializer=pb.GenerateResponse.SerializeToString)
+        lambda r, c: None,
+        request_deserializer=pb.GenerateRequest.FromString,
+        response_serializer=pb.GenerateResponse.SerializeToString,
+    )
     defer = _deferred(handler).request_deserializer
     raw = b"\xff\xff\xff\xff garbage"
     bad = defer(raw)
@@ -193,7 +203,7 @@ def test_the_proxy_defers_parsing_and_a_malformed_message_is_a_value_error():
     assert shallow.params.extra_args["a"].HasField("list_value")
     ok = defer(pb.GenerateRequest(prompt="hi").SerializeToString()).parse(pb.GenerateRequest)
     assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "hi"
-    with pytest.raises(ValueError, match="not a valid logitpool.v1.ListProcessorsRequest"):
+    with pytest.raises(ValueError, match=r"not a valid logitpool.v1.ListProcessorsRequest"):
         defer(b"").parse(pb.ListProcessorsRequest)  # a message of another method's type
 
 
@@ -203,8 +213,15 @@ def test_pool_snapshots_are_json_whatever_the_engine_reports():
     from cluster import pool_stats
     from worker.async_engine import EngineStats
 
-    stats = EngineStats(alive=True, heartbeat_age_s=0.1, num_running=2, num_waiting=1, finished={"stop": 3},
-                        restarts=1, kv={"blocks_used": torch.tensor(7), "hit_rate": float("nan"), "name": "x"})
+    stats = EngineStats(
+        alive=True,
+        heartbeat_age_s=0.1,
+        num_running=2,
+        num_waiting=1,
+        finished={"stop": 3},
+        restarts=1,
+        kv={"blocks_used": torch.tensor(7), "hit_rate": float("nan"), "name": "x"},
+    )
     snap = pool_stats.snapshot(stats, kv_cache_bytes=1024)
     wire = json.loads(snap.to_json())  # allow_nan=False inside: strict JSON or an error
     assert wire["kv"] == {"blocks_used": 7.0} and wire["finished"] == {"stop": 3} and wire["kv_cache_bytes"] == 1024
@@ -220,20 +237,40 @@ def test_metrics_sum_the_pool_and_keep_per_replica_kv():
     from prometheus_client.parser import text_string_to_metric_families
 
     from cluster.metrics import Metrics
-
     from cluster.pool_stats import PoolSnapshot
 
     pool = [
-        PoolSnapshot(replica_id="a", alive=True, num_running=2, num_waiting=1, finished={"stop": 3, "error": 1},
-                     restarts=1, kv={"blocks_used": 5.0}, kv_cache_bytes=100, heartbeat_age_s=0.2),
-        PoolSnapshot(replica_id="b", alive=False, num_running=1, num_waiting=0, finished={"stop": 4, "abort": 2},
-                     restarts=0, kv={}, kv_cache_bytes=50, heartbeat_age_s=70.0),
+        PoolSnapshot(
+            replica_id="a",
+            alive=True,
+            num_running=2,
+            num_waiting=1,
+            finished={"stop": 3, "error": 1},
+            restarts=1,
+            kv={"blocks_used": 5.0},
+            kv_cache_bytes=100,
+            heartbeat_age_s=0.2,
+        ),
+        PoolSnapshot(
+            replica_id="b",
+            alive=False,
+            num_running=1,
+            num_waiting=0,
+            finished={"stop": 4, "abort": 2},
+            restarts=0,
+            kv={},
+            kv_cache_bytes=50,
+            heartbeat_age_s=70.0,
+        ),
     ]
     m = Metrics()
     m.reject("http", 413)
     body, _ = m.render(pool)
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(body.decode())
+        for s in fam.samples
+    }
     assert samples[("logitpool_worker_replicas", (("state", "alive"),))] == 1
     assert samples[("logitpool_worker_replicas", (("state", "dead"),))] == 1
     assert samples[("logitpool_running_sequences", ())] == 3 and samples[("logitpool_waiting_sequences", ())] == 1
@@ -254,16 +291,20 @@ def test_json_in_another_encoding_is_415(encoding):
     would not see the escapes inside: the issue's way to a lone surrogate in a constraint."""
     from cluster.limits import UnsupportedMediaType
 
-    for text in ('{"structured_outputs": {"regex": "\\ud800"}}', '{"prompt": "x", "model": "\\udfff"}', '{}'):
-        with pytest.raises(UnsupportedMediaType, match="^body: JSON must be UTF-8") as err:
+    for text in ('{"structured_outputs": {"regex": "\\ud800"}}', '{"prompt": "x", "model": "\\udfff"}', "{}"):
+        with pytest.raises(UnsupportedMediaType, match=r"^body: JSON must be UTF-8") as err:
             parse_json(LIMITS, text.encode(encoding))
         assert classify(err.value).http == 415
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(),
-                    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-                    max_leaves=12),
-       st.sampled_from(["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be", "utf-16", "utf-32"]))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(),
+        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+        max_leaves=12,
+    ),
+    st.sampled_from(["utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be", "utf-16", "utf-32"]),
+)
 def test_no_json_value_is_accepted_in_another_encoding(value, encoding):
     from cluster.limits import UnsupportedMediaType
 
@@ -277,15 +318,20 @@ def test_no_json_value_is_accepted_in_another_encoding(value, encoding):
 
 def test_bytes_that_are_not_utf8_are_400_naming_the_body():
     for bad in (b'{"prompt": "\xed\xa0\x80"}', b'{"prompt": "\xc0\xaf"}', b'{"prompt": "\xff"}'):
-        with pytest.raises(ValueError, match="^body: not valid UTF-8") as err:
+        with pytest.raises(ValueError, match=r"^body: not valid UTF-8") as err:
             parse_json(LIMITS, bad)
         assert classify(err.value).http == 400
 
 
-@pytest.mark.parametrize(("content_type", "charset"), [
-    ("application/json", None), ("application/json; charset=utf-8", "utf-8"),
-    ('application/json;Charset="UTF-16"', "utf-16"), ("application/json; foo=bar; charset=latin-1", "latin-1"),
-])
+@pytest.mark.parametrize(
+    ("content_type", "charset"),
+    [
+        ("application/json", None),
+        ("application/json; charset=utf-8", "utf-8"),
+        ('application/json;Charset="UTF-16"', "utf-16"),
+        ("application/json; foo=bar; charset=latin-1", "latin-1"),
+    ],
+)
 def test_content_type_charset(content_type, charset):
     from cluster.openai.wire import charset as parse_charset
 
@@ -307,9 +353,17 @@ def _outputs(prompts: int, n: int, length: int, generated: int, k: int | None, k
     outs = []
     for _ in range(prompts):
         plp = None if kp is None else [None] + [_position(t, kp) for t in range(1, length)]
-        choices = [CompletionOutput(i, "x" * generated, [7] * generated, -1.0,
-                                    None if k is None else [_position(7, k) for _ in range(generated)], "length")
-                   for i in range(n)]
+        choices = [
+            CompletionOutput(
+                i,
+                "x" * generated,
+                [7] * generated,
+                -1.0,
+                None if k is None else [_position(7, k) for _ in range(generated)],
+                "length",
+            )
+            for i in range(n)
+        ]
         outs.append(RequestOutput("r", None, list(range(length)), choices, True, prompt_logprobs=plp))
     return outs
 
@@ -323,8 +377,15 @@ def _entries(body: dict) -> int:
     return total
 
 
-@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 6), st.integers(1, 5),
-       st.none() | st.integers(0, 3), st.none() | st.integers(0, 3), st.booleans())
+@given(
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.integers(1, 6),
+    st.integers(1, 5),
+    st.none() | st.integers(0, 3),
+    st.none() | st.integers(0, 3),
+    st.booleans(),
+)
 def test_response_estimate_bounds_the_response_it_describes(prompts, n, length, generated, k, kp, echo):
     """The estimate against the entries a real completions response carries (built by the
     protocol's own code): never fewer; more only by the prompts' first positions (no logprob)."""
@@ -349,8 +410,13 @@ def test_the_issues_amplifying_request_is_refused_before_admission():
     with pytest.raises(ValueError, match=r"limits\.max_response_logprobs \(1048576\)") as err:
         check_response(LIMITS, params, [100] * 64, 2048, ResponseShape(True, echo=True))
     assert error_body(classify(err.value))["error"]["param"] == "prompt_logprobs"
-    check_response(LIMITS, SamplingParams(n=1, max_tokens=16, logprobs=5, prompt_logprobs=5), [2000], 2048,
-                   ResponseShape(True, echo=True))  # lm-eval's loglikelihood shape: one long prompt
+    check_response(
+        LIMITS,
+        SamplingParams(n=1, max_tokens=16, logprobs=5, prompt_logprobs=5),
+        [2000],
+        2048,
+        ResponseShape(True, echo=True),
+    )  # lm-eval's loglikelihood shape: one long prompt
 
 
 def test_choices_share_their_prompts_logprobs():
@@ -366,11 +432,16 @@ def test_choices_share_their_prompts_logprobs():
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
-    max_leaves=10)
+    max_leaves=10,
+)
 
 
-@given(st.dictionaries(st.text(max_size=6), _json_values, max_size=3), st.lists(_json_values, max_size=8),
-       st.dictionaries(st.text(max_size=6), _json_values, max_size=3), st.integers(1, 200))
+@given(
+    st.dictionaries(st.text(max_size=6), _json_values, max_size=3),
+    st.lists(_json_values, max_size=8),
+    st.dictionaries(st.text(max_size=6), _json_values, max_size=3),
+    st.integers(1, 200),
+)
 def test_a_response_written_in_pieces_is_the_same_bytes(head, items, tail, chunk_bytes):
     from cluster.openai.wire import dumps, json_chunks
 

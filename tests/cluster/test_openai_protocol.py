@@ -28,30 +28,41 @@ def test_chat_without_max_tokens_runs_to_the_context():
     assert (params.max_tokens, params.min_tokens) == (34, 34)
 
 
-@pytest.mark.parametrize(("fields", "expected"), [
-    ({"max_tokens": 5}, 5), ({"max_completion_tokens": 7, "max_tokens": 5}, 7), ({"max_tokens": 500}, 500),
-])
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"max_tokens": 5}, 5),
+        ({"max_completion_tokens": 7, "max_tokens": 5}, 7),
+        ({"max_tokens": 500}, 500),
+    ],
+)
 def test_chat_max_tokens_given(fields, expected):
     assert ChatCompletionRequest.model_validate({"messages": CHAT, **fields}).sampling_params().max_tokens == expected
 
 
-@pytest.mark.parametrize(("model", "body", "param"), [
-    (ChatCompletionRequest, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
-    (ChatCompletionRequest, {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
-    (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    (CompletionRequest, {"prompt": "x", "echo": True, "prompt_logprobs": -1}, "prompt_logprobs"),
-    (ChatCompletionRequest, {"messages": CHAT, "prompt_logprobs": -3}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    ("model", "body", "param"),
+    [
+        (ChatCompletionRequest, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+        (ChatCompletionRequest, {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "echo": True, "prompt_logprobs": -1}, "prompt_logprobs"),
+        (ChatCompletionRequest, {"messages": CHAT, "prompt_logprobs": -3}, "prompt_logprobs"),
+    ],
+)
 def test_zero_budgets_and_prompt_logprobs_name_the_field(model, body, param):
     with pytest.raises(ValueError) as err:
         model.model_validate(body).sampling_params()
     assert error_body(classify(err.value))["error"]["param"] == param
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "suffix": "!"}, "suffix"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "suffix": "!"}, "suffix"),
+    ],
+)
 def test_rejected_at_parse(body, param):
     with pytest.raises(ValidationError) as err:
         CompletionRequest.model_validate(body)
@@ -67,20 +78,25 @@ def test_empty_prompts_rejected(prompt):
 
 
 def test_stream_options_with_stream_accepted():
-    assert CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}).include_usage
+    assert CompletionRequest.model_validate(
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    ).include_usage
 
 
 def _out(text: str, reason: str | None, stop: str | int | None) -> CompletionOutput:
     return CompletionOutput(0, text, [1], None, None, finish_reason=reason, stop_reason=stop)
 
 
-@pytest.mark.parametrize(("out", "include", "expected"), [
-    (_out("ab", "stop", "cd"), True, "abcd"),
-    (_out("ab", "stop", "cd"), False, "ab"),
-    (_out("ab", "stop", 7), True, "ab"),  # a stop token id adds no text
-    (_out("ab", "length", None), True, "ab"),
-    (_out("ab", None, None), True, "ab"),  # mid-stream
-])
+@pytest.mark.parametrize(
+    ("out", "include", "expected"),
+    [
+        (_out("ab", "stop", "cd"), True, "abcd"),
+        (_out("ab", "stop", "cd"), False, "ab"),
+        (_out("ab", "stop", 7), True, "ab"),  # a stop token id adds no text
+        (_out("ab", "length", None), True, "ab"),
+        (_out("ab", None, None), True, "ab"),  # mid-stream
+    ],
+)
 def test_include_stop_str_in_output(out, include, expected):
     assert output_text(out, include) == expected
 
@@ -92,13 +108,16 @@ def test_text_offset_counts_decoded_tokens():
     assert lp["text_offset"] == [10, 12, 13] and lp["tokens"] == ["ab", "c", "def"]
 
 
-@pytest.mark.parametrize(("fields", "name"), [
-    ({}, "tiny-llama"),
-    ({"engine": {"model": "/srv/models/my-model"}}, "my-model"),
-    ({"engine": {"model": "/srv/models/my-model/"}}, "my-model"),
-    ({"engine": {"model": "Qwen/Qwen2.5-0.5B"}}, "Qwen/Qwen2.5-0.5B"),
-    ({"engine": {"model": "/srv/m"}, "served_model_name": "prod"}, "prod"),
-])
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({}, "tiny-llama"),
+        ({"engine": {"model": "/srv/models/my-model"}}, "my-model"),
+        ({"engine": {"model": "/srv/models/my-model/"}}, "my-model"),
+        ({"engine": {"model": "Qwen/Qwen2.5-0.5B"}}, "Qwen/Qwen2.5-0.5B"),
+        ({"engine": {"model": "/srv/m"}, "served_model_name": "prod"}, "prod"),
+    ],
+)
 def test_served_name_is_never_a_path(fields, name):
     assert LogitpoolConfig.model_validate(fields).served_name == name
 

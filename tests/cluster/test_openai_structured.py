@@ -29,8 +29,16 @@ def _so(body: dict, chat: bool = True):
     ("body", "kind", "value"),
     [
         ({"response_format": {"type": "json_object"}}, "json_object", True),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
-         "json", SCHEMA),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            "json",
+            SCHEMA,
+        ),
         ({"structured_outputs": {"regex": "a+"}}, "regex", "a+"),
         ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", ["x", "y"]),
         ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "grammar", 'root ::= "a"'),

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from cluster.cli.main import main
-from cluster.cli.launch import deploy, healthy
 from cluster.cli.errors import CliError
+from cluster.cli.launch import deploy, healthy
+from cluster.cli.main import main
 from cluster.config import LogitpoolConfig
 
 pytestmark = pytest.mark.ray
@@ -20,12 +20,14 @@ APP = "operator"
 
 
 def config(model: str, ports: tuple[int, int], replicas: int, **engine) -> LogitpoolConfig:
-    return LogitpoolConfig.model_validate({
-        "engine": {"model": model, "max_num_seqs": 4, "max_model_len": 64, **engine},
-        "workers": {"num_replicas": replicas, "num_cpus": 0.5, "num_gpus": 1},
-        "server": {"http_port": ports[0], "grpc_port": ports[1]},
-        "app_name": APP,
-    })
+    return LogitpoolConfig.model_validate(
+        {
+            "engine": {"model": model, "max_num_seqs": 4, "max_model_len": 64, **engine},
+            "workers": {"num_replicas": replicas, "num_cpus": 0.5, "num_gpus": 1},
+            "server": {"http_port": ports[0], "grpc_port": ports[1]},
+            "app_name": APP,
+        }
+    )
 
 
 @pytest.mark.slow
@@ -59,15 +61,21 @@ def test_placement_pending_status_and_scale(serve_ports, tiny_model_dir, tmp_pat
         handle = serve.get_deployment_handle("LogitpoolWorker", app_name=APP)
         deadline = time.monotonic() + 90  # the second replica may still be starting
         while True:
-            infos = {i["replica_id"]: i["cuda_visible_devices"] for i in (handle.info.remote().result(timeout_s=30)
-                                                                           for _ in range(12))}
+            infos = {
+                i["replica_id"]: i["cuda_visible_devices"]
+                for i in (handle.info.remote().result(timeout_s=30) for _ in range(12))
+            }
             assert main(["status", "--session", str(path)]) == 0
             out = capsys.readouterr().out
             if (len(infos) == 2 and "worker replicas reporting: 2" in out) or time.monotonic() > deadline:
                 break
             time.sleep(1)
         assert sorted(infos.values()) == ["0", "1"], infos
-        assert f"application {APP}: DEPLOYING" in out and "to be scheduled" in out and "worker replicas reporting: 2" in out
+        assert (
+            f"application {APP}: DEPLOYING" in out
+            and "to be scheduled" in out
+            and "worker replicas reporting: 2" in out
+        )
         assert main(["scale", "1", "--session", str(path)]) == 0
         assert main(["status", "--session", str(path)]) == 0
         assert "LogitpoolWorker: HEALTHY  replicas: RUNNING=1" in capsys.readouterr().out

@@ -11,7 +11,9 @@ from worker.logits_processor.registry import build_logits_processors
 
 
 def test_list_processors_carries_keys_schema_and_invariance() -> None:
-    described = build_logits_processors(None, torch.device("cpu"), False, (DummyLogitsProcessor, RaisingLogitsProcessor)).describe()
+    described = build_logits_processors(
+        None, torch.device("cpu"), False, (DummyLogitsProcessor, RaisingLogitsProcessor)
+    ).describe()
     infos = {i.name: i for i in processors_from_pb(processors_pb(described))}
     assert [i.name for i in processors_from_pb(processors_pb(described))] == [d.name for d in described]
     for d in described:
@@ -23,4 +25,6 @@ def test_list_processors_carries_keys_schema_and_invariance() -> None:
     assert infos["MirostatLogitsProcessor"].argmax_invariant
     # Declared keys reach the wire (ListProcessors once sent none at all).
     assert infos["RaisingLogitsProcessor"].extra_args_keys == ("raise_in",)
-    assert infos["DummyLogitsProcessor"].extra_args_keys == () and infos["DummyLogitsProcessor"].extra_args_schema is None
+    assert (
+        infos["DummyLogitsProcessor"].extra_args_keys == () and infos["DummyLogitsProcessor"].extra_args_schema is None
+    )

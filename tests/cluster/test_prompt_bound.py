@@ -13,8 +13,11 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from cluster.prompt_bound import max_chars_per_token, max_prompt_chars
 
-CORPUS = ["hello world, the quick brown fox jumps over the lazy dog " * 20,
-          "ünïcødé 漢字 🙂 naïve café — «quotes» " * 30, "    indented\n\tcode();\n" * 40]
+CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog " * 20,
+    "ünïcødé 漢字 🙂 naïve café — «quotes» " * 30,
+    "    indented\n\tcode();\n" * 40,
+]
 
 
 def _trained(model, trainer, normalizer=None, pre_tokenizer=None) -> Tokenizer:
@@ -30,15 +33,21 @@ def _trained(model, trainer, normalizer=None, pre_tokenizer=None) -> Tokenizer:
 @functools.cache
 def tokenizers_with_a_bound() -> dict[str, Tokenizer]:
     return {
-        "byte-level BPE": _trained(models.BPE(), trainers.BpeTrainer(
-            vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
-            pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=False)),
+        "byte-level BPE": _trained(
+            models.BPE(),
+            trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+            pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ),
         "sentencepiece-like BPE (byte fallback)": _trained(
-            models.BPE(byte_fallback=True), trainers.BpeTrainer(vocab_size=400),
-            normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])),
+            models.BPE(byte_fallback=True),
+            trainers.BpeTrainer(vocab_size=400),
+            normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
+        ),
         "BPE, unknown per character, isolated splits": _trained(
-            models.BPE(unk_token="[UNK]"), trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]),
-            pre_tokenizer=pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "isolated"), pre_tokenizers.Digits()])),
+            models.BPE(unk_token="[UNK]"),
+            trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]),
+            pre_tokenizer=pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "isolated"), pre_tokenizers.Digits()]),
+        ),
     }
 
 
@@ -51,21 +60,57 @@ def test_the_tiny_models_tokenizer_gets_a_bound(tiny_model_dir):
     assert max_prompt_chars(longest, 512) == 511 * longest and max_prompt_chars(None, 512) is None
 
 
-@pytest.mark.parametrize(("name", "witness", "build"), [
-    # WordPiece: a word past max_input_chars_per_word is one [UNK], whatever its length.
-    ("WordPiece", "x" * 1000, lambda: _trained(models.WordPiece(unk_token="[UNK]"), trainers.WordPieceTrainer(
-        vocab_size=300, special_tokens=["[UNK]"]), pre_tokenizer=pre_tokenizers.Whitespace())),
-    # Whitespace splitting drops the whitespace: a megabyte of spaces is no token at all.
-    ("Whitespace pre-tokenizer", " " * 1000 + "a", lambda: _trained(models.BPE(unk_token="[UNK]"), trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["[UNK]"]), pre_tokenizer=pre_tokenizers.Whitespace())),
-    ("Split removing its delimiter", " " * 1000, lambda: _trained(models.BPE(byte_fallback=True), trainers.BpeTrainer(
-        vocab_size=300), pre_tokenizer=pre_tokenizers.Split(" ", "removed"))),
-    ("stripping normalizer", " " * 5000 + "a", lambda: _trained(models.BPE(byte_fallback=True), trainers.BpeTrainer(vocab_size=300),
-                                              normalizer=normalizers.Sequence([normalizers.Strip(),
-                                                                               normalizers.NFC()]))),
-    ("fused unknowns", "€" * 5000, lambda: _trained(models.BPE(unk_token="[UNK]", fuse_unk=True), trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["[UNK]"]))),
-])
+@pytest.mark.parametrize(
+    ("name", "witness", "build"),
+    [
+        # WordPiece: a word past max_input_chars_per_word is one [UNK], whatever its length.
+        (
+            "WordPiece",
+            "x" * 1000,
+            lambda: _trained(
+                models.WordPiece(unk_token="[UNK]"),
+                trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"]),
+                pre_tokenizer=pre_tokenizers.Whitespace(),
+            ),
+        ),
+        # Whitespace splitting drops the whitespace: a megabyte of spaces is no token at all.
+        (
+            "Whitespace pre-tokenizer",
+            " " * 1000 + "a",
+            lambda: _trained(
+                models.BPE(unk_token="[UNK]"),
+                trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]),
+                pre_tokenizer=pre_tokenizers.Whitespace(),
+            ),
+        ),
+        (
+            "Split removing its delimiter",
+            " " * 1000,
+            lambda: _trained(
+                models.BPE(byte_fallback=True),
+                trainers.BpeTrainer(vocab_size=300),
+                pre_tokenizer=pre_tokenizers.Split(" ", "removed"),
+            ),
+        ),
+        (
+            "stripping normalizer",
+            " " * 5000 + "a",
+            lambda: _trained(
+                models.BPE(byte_fallback=True),
+                trainers.BpeTrainer(vocab_size=300),
+                normalizer=normalizers.Sequence([normalizers.Strip(), normalizers.NFC()]),
+            ),
+        ),
+        (
+            "fused unknowns",
+            "€" * 5000,
+            lambda: _trained(
+                models.BPE(unk_token="[UNK]", fuse_unk=True),
+                trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]),
+            ),
+        ),
+    ],
+)
 def test_tokenizers_that_may_shrink_text_get_none(name, witness, build):
     """No bound, rightly: for each, a text with fewer tokens than characters / longest entry."""
     tok = build()
@@ -86,8 +131,9 @@ def test_whitespace_stripping_added_tokens_or_truncation_get_none():
     assert max_chars_per_token(truncating) is None
 
 
-_text = st.text(st.sampled_from(list("ab cdé\n\t漢🙂xyz  .,;0123")) | st.characters(exclude_categories=("Cs",)),
-                max_size=300)  # no lone surrogates: the ingress refuses them before tokenizing
+_text = st.text(
+    st.sampled_from(list("ab cdé\n\t漢🙂xyz  .,;0123")) | st.characters(exclude_categories=("Cs",)), max_size=300
+)  # no lone surrogates: the ingress refuses them before tokenizing
 
 
 @pytest.mark.parametrize("name", list(tokenizers_with_a_bound()))

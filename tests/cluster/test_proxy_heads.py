@@ -30,8 +30,16 @@ class Server:
     def __init__(self, protocol: type) -> None:
         self.port = free_port()
         self.requests: list[tuple[int, int]] = []  # (header bytes, body bytes) the app saw
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, http=protocol, interface="asgi3", lifespan="off",
-                                log_level="error", access_log=False)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            http=protocol,
+            interface="asgi3",
+            lifespan="off",
+            log_level="error",
+            access_log=False,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -44,8 +52,13 @@ class Server:
                 break
         self.requests.append((sum(len(k) + len(v) for k, v in scope["headers"]), len(body)))
         payload = json.dumps({"body": len(body)}).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})
 
     def __enter__(self) -> Self:
@@ -110,8 +123,9 @@ class Conn:
             if not self._fill():
                 return 0, b""
         top, rest = self.buffer.split(b"\r\n\r\n", 1)
-        length = next(int(line.split(b":")[1]) for line in top.split(b"\r\n")
-                      if line.lower().startswith(b"content-length"))
+        length = next(
+            int(line.split(b":")[1]) for line in top.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
         while len(rest) < length:
             if not self._fill():
                 return 0, b""
@@ -163,7 +177,7 @@ def test_a_head_dribbled_in_small_pieces_is_counted_whole(server):
     with Conn(server) as s:
         data = head(LIMIT + 100)
         for i in range(0, len(data), 3000):
-            s.sendall(data[i:i + 3000])
+            s.sendall(data[i : i + 3000])
         assert s.response()[0] == 431
 
 

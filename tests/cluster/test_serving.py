@@ -24,13 +24,20 @@ TARGET = 67
 
 
 def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolConfig:
-    return LogitpoolConfig.model_validate({
-        "engine": {"model": str(model_dir), "max_num_seqs": 32, "max_model_len": 2048,
-                   "logits_processors": [DUMMY_FQCN]},
-        "workers": {"num_replicas": 1, "num_cpus": 1, **workers},
-        "server": {"http_port": http_port, "grpc_port": grpc_port},
-        "app_name": APP, "served_model_name": MODEL,
-    })
+    return LogitpoolConfig.model_validate(
+        {
+            "engine": {
+                "model": str(model_dir),
+                "max_num_seqs": 32,
+                "max_model_len": 2048,
+                "logits_processors": [DUMMY_FQCN],
+            },
+            "workers": {"num_replicas": 1, "num_cpus": 1, **workers},
+            "server": {"http_port": http_port, "grpc_port": grpc_port},
+            "app_name": APP,
+            "served_model_name": MODEL,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +46,20 @@ def serving(serve_ports, tiny_model_dir):
 
     # Autoscaling between 1 and 2 worker replicas with short delays: light tests run on one
     # replica, the load test grows the pool to two, which then stay (long downscale delay).
-    cfg = config(tiny_model_dir, *serve_ports, num_replicas=None, autoscaling={
-        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
-        "downscale_delay_s": 3600, "metrics_interval_s": 0.5, "look_back_period_s": 2,
-    })
+    cfg = config(
+        tiny_model_dir,
+        *serve_ports,
+        num_replicas=None,
+        autoscaling={
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_ongoing_requests": 2,
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 3600,
+            "metrics_interval_s": 0.5,
+            "look_back_period_s": 2,
+        },
+    )
     deploy(cfg)
     wait_ready("127.0.0.1", cfg.server.http_port, timeout_s=180)
     yield cfg
@@ -86,48 +103,85 @@ def test_openai_completions(oai):
 
 def test_openai_chat(oai):
     msgs = [{"role": "user", "content": "hello there"}]
-    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.0,
-                                    extra_body={"ignore_eos": True})
+    r = oai.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
-    stream = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.0, stream=True,
-                                         extra_body={"ignore_eos": True})
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
 
 
 def test_openai_logprobs_seed_stop_bias(oai):
-    r = oai.completions.create(model=MODEL, prompt="import os", max_tokens=6, temperature=1.0, seed=11, logprobs=3,
-                               extra_body={"ignore_eos": True})
+    r = oai.completions.create(
+        model=MODEL,
+        prompt="import os",
+        max_tokens=6,
+        temperature=1.0,
+        seed=11,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 6 and len(lp.token_logprobs) == 6
     assert all(len(t) in (3, 4) for t in lp.top_logprobs)
-    same = oai.completions.create(model=MODEL, prompt="import os", max_tokens=6, temperature=1.0, seed=11,
-                                  extra_body={"ignore_eos": True})
+    same = oai.completions.create(
+        model=MODEL, prompt="import os", max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True}
+    )
     assert same.choices[0].text == r.choices[0].text
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert len(chat.choices[0].logprobs.content) == 4
     assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
     free = oai.completions.create(model=MODEL, **greedy("class Foo", 12), extra_body={"ignore_eos": True}).choices[0]
     stop = free.text[2:5]
     cut = oai.completions.create(model=MODEL, **greedy("class Foo", 12), stop=[stop], extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == free.text[: free.text.index(stop)]
-    biased = oai.completions.create(model=MODEL, **greedy("class Foo", 5), logit_bias={str(TARGET): 100},
-                                    extra_body={"ignore_eos": True, "return_token_ids": True})
-    assert biased.choices[0].text == oai.completions.create(
-        model=MODEL, **greedy("class Foo", 5), extra_body={"ignore_eos": True, "vllm_xargs": {"target_token": TARGET}}
-    ).choices[0].text
+    biased = oai.completions.create(
+        model=MODEL,
+        **greedy("class Foo", 5),
+        logit_bias={str(TARGET): 100},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert (
+        biased.choices[0].text
+        == oai.completions.create(
+            model=MODEL,
+            **greedy("class Foo", 5),
+            extra_body={"ignore_eos": True, "vllm_xargs": {"target_token": TARGET}},
+        )
+        .choices[0]
+        .text
+    )
 
 
 def test_openai_vllm_xargs_drive_the_custom_processor(oai, grpc_client):
-    r = oai.completions.create(model=MODEL, prompt="hello", max_tokens=7, temperature=0.9,
-                               extra_body={"vllm_xargs": {"target_token": TARGET}, "ignore_eos": True})
-    ids = grpc_client.generate("hello", max_tokens=7, temperature=0.9, ignore_eos=True,
-                               extra_args={"target_token": TARGET}).token_ids
+    r = oai.completions.create(
+        model=MODEL,
+        prompt="hello",
+        max_tokens=7,
+        temperature=0.9,
+        extra_body={"vllm_xargs": {"target_token": TARGET}, "ignore_eos": True},
+    )
+    ids = grpc_client.generate(
+        "hello", max_tokens=7, temperature=0.9, ignore_eos=True, extra_args={"target_token": TARGET}
+    ).token_ids
     assert list(ids) == [TARGET] * 7
-    assert r.choices[0].text == grpc_client.generate("hello", max_tokens=7, ignore_eos=True,
-                                                     extra_args={"target_token": TARGET}).text
+    assert (
+        r.choices[0].text
+        == grpc_client.generate("hello", max_tokens=7, ignore_eos=True, extra_args={"target_token": TARGET}).text
+    )
     with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(model=MODEL, prompt="hello", max_tokens=4, extra_body={"vllm_xargs": {"target_token": "abc"}})
+        oai.completions.create(
+            model=MODEL, prompt="hello", max_tokens=4, extra_body={"vllm_xargs": {"target_token": "abc"}}
+        )
     assert "target_token value abc is not int" in str(err.value)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         oai.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=5.0)
@@ -184,7 +238,9 @@ def test_a_client_request_id_is_for_tracing_only(grpc_client):
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as ex:
-        futs = [ex.submit(grpc_client.generate, "x", max_tokens=30, ignore_eos=True, request_id="dup") for _ in range(2)]
+        futs = [
+            ex.submit(grpc_client.generate, "x", max_tokens=30, ignore_eos=True, request_id="dup") for _ in range(2)
+        ]
         results = [f.result(timeout=60) for f in futs]
     assert [r.request_id for r in results] == ["dup", "dup"]
     assert all(len(r.token_ids) == 30 for r in results)
@@ -233,7 +289,7 @@ def _load(target: str, stop: threading.Event, errors: list) -> None:
         while not stop.is_set():
             try:
                 c.generate("load", max_tokens=16, ignore_eos=True)
-            except Exception as exc:  # collected, asserted by the test
+            except Exception as exc:  # noqa: BLE001 - collected, asserted by the test
                 errors.append(exc)
 
 
@@ -268,11 +324,13 @@ def test_sixty_four_streams_across_two_replicas(serving, tiny_model_dir):
 
     prompts = ["def a(", "import b", "class C:", "x = 1"]
     ref = LLM(str(tiny_model_dir), max_num_seqs=4, load_entry_points=False).generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    )
     want = {p: r.outputs[0].token_ids for p, r in zip(prompts, ref)}
 
     async def main():
         async with AsyncClient(f"127.0.0.1:{serving.server.grpc_port}", timeout=120) as c:
+
             async def one(i):
                 p = prompts[i % 4]
                 ids = []
@@ -315,12 +373,13 @@ def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
                 for _ in c.stream("forever", max_tokens=1900, ignore_eos=True):
                     pass
                 outcomes.append(("grpc", "completed", time.monotonic()))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - collected, asserted by the test
                 outcomes.append(("grpc", exc, time.monotonic()))
 
     def http_call():
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "forever", "max_tokens": 1900, "ignore_eos": True},
-                       timeout=90)
+        r = httpx.post(
+            f"{base}/v1/completions", json={"prompt": "forever", "max_tokens": 1900, "ignore_eos": True}, timeout=90
+        )
         outcomes.append(("http", r.status_code, time.monotonic()))
 
     threads = [threading.Thread(target=f) for f in (grpc_stream, http_call) * 3]
@@ -364,7 +423,9 @@ def test_requests_avoid_a_replica_whose_engine_died(serving):
     base = f"http://127.0.0.1:{serving.server.http_port}"
     codes = []
     with Client(f"127.0.0.1:{serving.server.grpc_port}", timeout=60, max_retries=0) as c:
-        for i in range(12):
-            codes.append(httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code)
+        for _i in range(12):
+            codes.append(
+                httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code
+            )
             codes.append(len(c.generate("x", max_tokens=2, ignore_eos=True).token_ids))
     assert codes == [200, 2] * 12

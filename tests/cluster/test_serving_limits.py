@@ -23,14 +23,20 @@ def limited(serve_ports, tiny_model_dir):
 
     from cluster.cli.launch import deploy, wait_ready
 
-    cfg = LogitpoolConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "max_num_seqs": 2, "max_num_batched_tokens": 256,
-                   "max_model_len": 1024},
-        "workers": {"num_replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 1},
-        "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-        "api_keys": [KEY],
-        "app_name": APP,
-    })
+    cfg = LogitpoolConfig.model_validate(
+        {
+            "engine": {
+                "model": str(tiny_model_dir),
+                "max_num_seqs": 2,
+                "max_num_batched_tokens": 256,
+                "max_model_len": 1024,
+            },
+            "workers": {"num_replicas": 1, "max_ongoing_requests": 2, "max_queued_requests": 1},
+            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
+            "api_keys": [KEY],
+            "app_name": APP,
+        }
+    )
     deploy(cfg)
     wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
     yield cfg
@@ -72,8 +78,12 @@ def test_overload_is_rejected_not_queued_forever(limited):
     lock = threading.Lock()
 
     def http_call():
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 300, "ignore_eos": True},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": "x", "max_tokens": 300, "ignore_eos": True},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+        )
         with lock:
             outcomes.append(r.status_code)
 

@@ -49,7 +49,7 @@ def _ip(hex_addr: str) -> str:
     import ipaddress
 
     raw = bytes.fromhex(hex_addr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     ip = ipaddress.ip_address(words)
     if ip.version == 6 and ip.ipv4_mapped is not None:
         return f"::ffff:{ip.ipv4_mapped}"
@@ -84,8 +84,14 @@ def listening_sockets(pids: set[int]) -> list[tuple[int, str, int]]:
 def _banner_curl_works(lines: list[str], env: dict[str, str]) -> None:
     """The banner's curl line, run by a POSIX shell as printed, with several keys in the variable."""
     (curl,) = [line for line in lines if line.strip().startswith("curl ")]
-    out = subprocess.run(["sh", "-c", curl.strip() + " --silent --show-error --max-time 60 --write-out ' %{http_code}'"],
-                         env=env, capture_output=True, text=True, timeout=90)
+    out = subprocess.run(
+        ["sh", "-c", curl.strip() + " --silent --show-error --max-time 60 --write-out ' %{http_code}'"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
     assert out.stdout.endswith(" 200"), (curl, out.stdout[-500:], out.stderr[-500:])
 
 
@@ -145,9 +151,27 @@ def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir, tmp_pat
     config = tmp_path / "config.yaml"  # a header limit of its own: the CLI hands it to Serve's proxy
     config.write_text("limits:\n  max_header_bytes: 8192\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--config", str(config)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--grpc-port",
+            str(grpc_port),
+            "--config",
+            str(config),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -161,8 +185,11 @@ def test_logitpool_serve_listens_only_on_the_chosen_host(tiny_model_dir, tmp_pat
         assert proc.poll() is None, "".join(lines)[-3000:]
         assert f"[::]:{grpc_port}" in "".join(lines), "the banner must say gRPC listens on every interface"
         _banner_curl_works(lines, env)
-        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "x", "max_tokens": 2},
-                       headers={"Authorization": "bearer k2"})
+        r = httpx.post(
+            f"http://127.0.0.1:{http_port}/v1/completions",
+            json={"prompt": "x", "max_tokens": 2},
+            headers={"Authorization": "bearer k2"},
+        )
         assert r.status_code == 200
         assert _head_status(http_port, 8000) == b"HTTP/1.1 200 OK"
         assert _head_status(http_port, 9000) == b"HTTP/1.1 431 Request Header Fields Too Large"

@@ -35,9 +35,19 @@ def soak_target(serve_ports, tiny_model_dir):
 
 def test_soak_with_faults(soak_target):
     cfg = soak_target
-    report = asyncio.run(soak_deployment(
-        f"http://127.0.0.1:{cfg.server.http_port}", f"127.0.0.1:{cfg.server.grpc_port}", APP,
-        requests=240, concurrency=16, seed=3, warmup=64, limits=cfg.limits, stall_hold_s=3.0))
+    report = asyncio.run(
+        soak_deployment(
+            f"http://127.0.0.1:{cfg.server.http_port}",
+            f"127.0.0.1:{cfg.server.grpc_port}",
+            APP,
+            requests=240,
+            concurrency=16,
+            seed=3,
+            warmup=64,
+            limits=cfg.limits,
+            stall_hold_s=3.0,
+        )
+    )
     print(report.render())
     assert len(report.outcomes) == 240  # exactly one outcome per request
     kinds = {o.kind for o in report.outcomes}

@@ -25,28 +25,38 @@ def _error(status: int, message: str) -> sc.Answer:
     return sc.http_answer(status, json.dumps({"error": {"message": message, "code": status}}).encode())
 
 
-@pytest.mark.parametrize("rule, answer, expected", [
-    # amplify: refused naming the limit, or served small
-    (sc.AMPLIFY_RULE, _error(400, "prompt_logprobs: ... exceeds limits.max_response_logprobs (1048576)"), sc.REJECTED),
-    (sc.AMPLIFY_RULE, _error(413, "body: exceeds limits.max_body_bytes"), sc.REJECTED),
-    (sc.AMPLIFY_RULE, _error(400, "n: must be >= 1"), sc.UNEXPECTED),  # a refusal that names no limit
-    (sc.AMPLIFY_RULE, sc.Answer(200, size=200_000), sc.OK),
-    (sc.AMPLIFY_RULE, sc.Answer(200, size=77 * MiB), sc.UNEXPECTED),  # the amplification itself
-    (sc.AMPLIFY_RULE, _error(503, "no replica"), sc.UNAVAILABLE),
-    (sc.AMPLIFY_RULE, _error(431, "headers"), sc.UNEXPECTED),
-    # heavy grammar: the compile bound, shedding, or compiled in time
-    (sc.HEAVY_GRAMMAR_RULE, _error(400, "structured_outputs.json: compiling the JSON schema took longer than 10s"),
-     sc.REJECTED),
-    (sc.HEAVY_GRAMMAR_RULE, _error(503, "compile pool busy"), sc.REJECTED),
-    (sc.HEAVY_GRAMMAR_RULE, _error(429, ""), sc.REJECTED),
-    (sc.HEAVY_GRAMMAR_RULE, sc.Answer(200, size=500), sc.OK),
-    (sc.HEAVY_GRAMMAR_RULE, _error(400, "prompt: empty"), sc.UNEXPECTED),
-    (sc.HEAVY_GRAMMAR_RULE, _error(500, "internal"), sc.UNEXPECTED),
-    # stall: refused before the stream, or shed
-    (sc.STALL_RULE, _error(400, "logprobs: must be <= 5"), sc.REJECTED),
-    (sc.STALL_RULE, _error(503, ""), sc.REJECTED),
-    (sc.STALL_RULE, _error(500, ""), sc.UNEXPECTED),
-])
+@pytest.mark.parametrize(
+    "rule, answer, expected",
+    [
+        # amplify: refused naming the limit, or served small
+        (
+            sc.AMPLIFY_RULE,
+            _error(400, "prompt_logprobs: ... exceeds limits.max_response_logprobs (1048576)"),
+            sc.REJECTED,
+        ),
+        (sc.AMPLIFY_RULE, _error(413, "body: exceeds limits.max_body_bytes"), sc.REJECTED),
+        (sc.AMPLIFY_RULE, _error(400, "n: must be >= 1"), sc.UNEXPECTED),  # a refusal that names no limit
+        (sc.AMPLIFY_RULE, sc.Answer(200, size=200_000), sc.OK),
+        (sc.AMPLIFY_RULE, sc.Answer(200, size=77 * MiB), sc.UNEXPECTED),  # the amplification itself
+        (sc.AMPLIFY_RULE, _error(503, "no replica"), sc.UNAVAILABLE),
+        (sc.AMPLIFY_RULE, _error(431, "headers"), sc.UNEXPECTED),
+        # heavy grammar: the compile bound, shedding, or compiled in time
+        (
+            sc.HEAVY_GRAMMAR_RULE,
+            _error(400, "structured_outputs.json: compiling the JSON schema took longer than 10s"),
+            sc.REJECTED,
+        ),
+        (sc.HEAVY_GRAMMAR_RULE, _error(503, "compile pool busy"), sc.REJECTED),
+        (sc.HEAVY_GRAMMAR_RULE, _error(429, ""), sc.REJECTED),
+        (sc.HEAVY_GRAMMAR_RULE, sc.Answer(200, size=500), sc.OK),
+        (sc.HEAVY_GRAMMAR_RULE, _error(400, "prompt: empty"), sc.UNEXPECTED),
+        (sc.HEAVY_GRAMMAR_RULE, _error(500, "internal"), sc.UNEXPECTED),
+        # stall: refused before the stream, or shed
+        (sc.STALL_RULE, _error(400, "logprobs: must be <= 5"), sc.REJECTED),
+        (sc.STALL_RULE, _error(503, ""), sc.REJECTED),
+        (sc.STALL_RULE, _error(500, ""), sc.UNEXPECTED),
+    ],
+)
 def test_classify_examples(rule, answer, expected):
     assert sc.classify(rule, answer)[0] == expected
 
@@ -159,15 +169,20 @@ def _report(outcomes, **kw):
 
 
 def test_report_judges_the_new_classes():
-    report = _report([
-        (sc.STALL, "http_stall", sc.STALLED, "", 0.0, 3.0),
-        (sc.AMPLIFY, "amplify_over", sc.REJECTED, "", 0.0, 0.1),
-        (sc.HEAVY_GRAMMAR, "http_heavy_grammar", sc.REJECTED, "", 0.0, 10.0),
-        (sc.HOG, "hog_limits_4096", sc.UNEXPECTED, "served", 1.0, 15.0),
-        (sc.INNOCENT, "http_completion_constrained", sc.UNEXPECTED, "took longer than 10s", 2.0, 12.0),
-        (sc.INNOCENT, "grpc", sc.OK, "", 20.0, 20.5),
-        (sc.INNOCENT, "grpc", sc.OK, "", 5.0, 7.0),
-    ], rss_warm={1: 100 * MiB, 2: 100 * MiB}, rss_end={1: 104 * MiB, 2: 120 * MiB}, roles={1: "worker", 2: "ingress"})
+    report = _report(
+        [
+            (sc.STALL, "http_stall", sc.STALLED, "", 0.0, 3.0),
+            (sc.AMPLIFY, "amplify_over", sc.REJECTED, "", 0.0, 0.1),
+            (sc.HEAVY_GRAMMAR, "http_heavy_grammar", sc.REJECTED, "", 0.0, 10.0),
+            (sc.HOG, "hog_limits_4096", sc.UNEXPECTED, "served", 1.0, 15.0),
+            (sc.INNOCENT, "http_completion_constrained", sc.UNEXPECTED, "took longer than 10s", 2.0, 12.0),
+            (sc.INNOCENT, "grpc", sc.OK, "", 20.0, 20.5),
+            (sc.INNOCENT, "grpc", sc.OK, "", 5.0, 7.0),
+        ],
+        rss_warm={1: 100 * MiB, 2: 100 * MiB},
+        rss_end={1: 104 * MiB, 2: 120 * MiB},
+        roles={1: "worker", 2: "ingress"},
+    )
     bad = report.violations()
     assert len(bad) == 3, bad
     assert bad[0].startswith("hog/hog_limits_4096: unexpected")
@@ -207,8 +222,10 @@ class _EndlessStream:
         await reader.readexactly(length)
         if self.status != 200:
             body = b'{"error": {"message": "n: too many", "code": 400}}'
-            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            writer.write(
+                b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
             await writer.drain()
             writer.close()
             return
@@ -220,7 +237,7 @@ class _EndlessStream:
                 writer.write(chunk)
                 await asyncio.wait_for(writer.drain(), 30)
                 self.written += len(chunk)
-        except (ConnectionError, asyncio.TimeoutError):
+        except (TimeoutError, ConnectionError):
             self.closed.set()
         finally:
             writer.close()

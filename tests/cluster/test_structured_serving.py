@@ -35,12 +35,15 @@ def serving(serve_ports, tiny_model_dir):
 
     from cluster.cli.launch import deploy, wait_ready
 
-    cfg = LogitpoolConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": 1024},
-        "workers": {"num_replicas": 1, "num_cpus": 1},
-        "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-        "app_name": APP, "served_model_name": MODEL,
-    })
+    cfg = LogitpoolConfig.model_validate(
+        {
+            "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": 1024},
+            "workers": {"num_replicas": 1, "num_cpus": 1},
+            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
+            "app_name": APP,
+            "served_model_name": MODEL,
+        }
+    )
     deploy(cfg)
     wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
     yield cfg
@@ -55,12 +58,20 @@ def test_sdk_parse_round_trips_a_pydantic_model(oai):
 
 
 def test_named_tool_call(oai):
-    params = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]},
-                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-              "required": ["city", "days"]}
+    params = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"],
+    }
     tools = [{"type": "function", "function": {"name": "forecast", "parameters": params}}]
-    r = oai.chat.completions.create(model=MODEL, messages=MSG, tools=tools, max_tokens=64, seed=1,
-                                    tool_choice={"type": "function", "function": {"name": "forecast"}})
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=MSG,
+        tools=tools,
+        max_tokens=64,
+        seed=1,
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+    )
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "forecast" and r.choices[0].message.content is None
     jsonschema.validate(json.loads(call.function.arguments), params)
@@ -69,15 +80,22 @@ def test_named_tool_call(oai):
 
 
 def test_vllm_fields_and_streaming(oai):
-    r = oai.completions.create(model=MODEL, prompt="p", max_tokens=16, n=3, seed=5,
-                               extra_body={"guided_choice": ["red", "green", "blue"]})
+    r = oai.completions.create(
+        model=MODEL, prompt="p", max_tokens=16, n=3, seed=5, extra_body={"guided_choice": ["red", "green", "blue"]}
+    )
     assert {c.text for c in r.choices} <= {"red", "green", "blue"}
-    r = oai.completions.create(model=MODEL, prompt="p", max_tokens=32,
-                               extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}})
+    r = oai.completions.create(
+        model=MODEL, prompt="p", max_tokens=32, extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}
+    )
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", r.choices[0].text)
-    chunks = oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=64, seed=2, stream=True,
-                                         response_format={"type": "json_schema", "json_schema": {
-                                             "name": "v", "schema": Verdict.model_json_schema()}})
+    chunks = oai.chat.completions.create(
+        model=MODEL,
+        messages=MSG,
+        max_tokens=64,
+        seed=2,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": Verdict.model_json_schema()}},
+    )
     Verdict.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
 
 
@@ -85,19 +103,31 @@ def test_vllm_fields_and_streaming(oai):
     ("extra", "needle"),
     [
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex: invalid regex: .*Unclosed"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
-         "response_format.json_schema.schema: invalid JSON schema: .*objekt"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "response_format.json_schema.schema: invalid JSON schema: .*objekt",
+        ),
         ({"guided_grammar": "root ::= nothing"}, "guided_grammar: invalid grammar: .*nothing"),
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend: not implemented"),
         # issue 17, item 11: impossible or unsatisfiable constraints are 400s too (the second was a 500:
         # the first token found nothing to sample)
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "string", "minLength": 5, "maxLength": 2}}}},
-         "response_format.json_schema.schema: invalid JSON schema: minLength 5 is greater than maxLength 2"),
-        ({"structured_outputs": {"json": {"type": "string", "pattern": "^\\t+$"}}},
-         "structured_outputs.json: invalid JSON schema: no output satisfies it"),
-        ({"structured_outputs": {"regex": "a" * 70_000}},
-         r"structured_outputs.regex: 70000 bytes exceeds limits.max_constraint_bytes \(65536\)"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "minLength": 5, "maxLength": 2}},
+                }
+            },
+            "response_format.json_schema.schema: invalid JSON schema: minLength 5 is greater than maxLength 2",
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "string", "pattern": "^\\t+$"}}},
+            "structured_outputs.json: invalid JSON schema: no output satisfies it",
+        ),
+        (
+            {"structured_outputs": {"regex": "a" * 70_000}},
+            r"structured_outputs.regex: 70000 bytes exceeds limits.max_constraint_bytes \(65536\)",
+        ),
     ],
 )
 def test_invalid_constraint_is_a_400_naming_the_field(oai, extra, needle):
@@ -110,8 +140,9 @@ def test_grpc_oneof_and_invalid_argument(grpc_client):
     assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
     out = grpc_client.generate("p", max_tokens=64, seed=3, structured_outputs={"json": Verdict.model_json_schema()})
     Verdict.model_validate_json(out.text)
-    with pytest.raises(InvalidArgument, match="structured_outputs.json: invalid JSON schema"):
+    with pytest.raises(InvalidArgument, match=r"structured_outputs.json: invalid JSON schema"):
         grpc_client.generate("p", max_tokens=4, structured_outputs={"json": {"type": "objekt"}})
-    with pytest.raises(InvalidArgument, match="structured_outputs.json: invalid JSON schema: minItems is greater"):
-        grpc_client.generate("p", max_tokens=4, structured_outputs={"json": {"type": "array", "minItems": 5,
-                                                                             "maxItems": 2}})
+    with pytest.raises(InvalidArgument, match=r"structured_outputs.json: invalid JSON schema: minItems is greater"):
+        grpc_client.generate(
+            "p", max_tokens=4, structured_outputs={"json": {"type": "array", "minItems": 5, "maxItems": 2}}
+        )

@@ -13,15 +13,15 @@ from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from client.convert import completion_from_pb, sampling_params_to_pb
+from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from cluster.auth import ApiKeys, Unauthenticated
 from cluster.errors import ModelNotFound, RequestFailed, classify, error_body, replica_unavailable
-from cluster.rpc.convert import delta_pb, prompt_from_pb, response_pb, sampling_params_from_pb
 from cluster.limits import PayloadTooLarge
 from cluster.openai.protocol import CompletionRequest
+from cluster.rpc.convert import delta_pb, prompt_from_pb, response_pb, sampling_params_from_pb
 from worker.async_engine import EngineDeadError
 from worker.outputs import CompletionOutput, Logprob, RequestOutput
 from worker.sampling_params import SamplingParams
-from client.pb.logitpool.v1 import logitpool_pb2 as pb
 
 _key = st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=24)
 
@@ -60,18 +60,25 @@ def _validation_error() -> ValidationError:
     raise AssertionError("no error")
 
 
-@pytest.mark.parametrize(("exc", "http", "code", "kind"), [
-    (Unauthenticated("missing API key"), 401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error"),
-    (ModelNotFound("gpt-9"), 404, grpc.StatusCode.NOT_FOUND, "NotFoundError"),
-    (ValueError("temperature: must be >= 0"), 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"),
-    (PayloadTooLarge("body: too big"), 413, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"),
-    (BackPressureError(num_queued_requests=3, max_queued_requests=2), 503, grpc.StatusCode.RESOURCE_EXHAUSTED,
-     "overloaded"),
-    (EngineDeadError("gone"), 503, grpc.StatusCode.UNAVAILABLE, "unavailable"),
-    (TimeoutError("r1"), 504, grpc.StatusCode.DEADLINE_EXCEEDED, "timeout"),
-    (RequestFailed("processor X failed"), 500, grpc.StatusCode.INTERNAL, "request_failed"),
-    (KeyError("bug"), 500, grpc.StatusCode.INTERNAL, "internal_error"),
-])
+@pytest.mark.parametrize(
+    ("exc", "http", "code", "kind"),
+    [
+        (Unauthenticated("missing API key"), 401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error"),
+        (ModelNotFound("gpt-9"), 404, grpc.StatusCode.NOT_FOUND, "NotFoundError"),
+        (ValueError("temperature: must be >= 0"), 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"),
+        (PayloadTooLarge("body: too big"), 413, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"),
+        (
+            BackPressureError(num_queued_requests=3, max_queued_requests=2),
+            503,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "overloaded",
+        ),
+        (EngineDeadError("gone"), 503, grpc.StatusCode.UNAVAILABLE, "unavailable"),
+        (TimeoutError("r1"), 504, grpc.StatusCode.DEADLINE_EXCEEDED, "timeout"),
+        (RequestFailed("processor X failed"), 500, grpc.StatusCode.INTERNAL, "request_failed"),
+        (KeyError("bug"), 500, grpc.StatusCode.INTERNAL, "internal_error"),
+    ],
+)
 def test_classify_maps_each_error_once(exc: BaseException, http: int, code: grpc.StatusCode, kind: str) -> None:
     status = classify(exc)
     assert (status.http, status.grpc, status.kind) == (http, code, kind)
@@ -103,21 +110,25 @@ def test_param_is_the_field_a_message_names_first(field: str, rest: str) -> None
 
 # ---- gRPC conversion -----------------------------------------------------------------------------
 
-_sampling = st.fixed_dictionaries({}, optional={
-    "n": st.integers(1, 4),
-    "temperature": st.floats(0, 2, width=32),
-    "top_p": st.floats(0.125, 1, width=32),
-    "top_k": st.integers(0, 50),
-    "max_tokens": st.integers(1, 100),
-    "min_tokens": st.integers(0, 5),
-    "seed": st.integers(0, 2**31),
-    "stop": st.lists(st.text(min_size=1, max_size=5), max_size=3),
-    "stop_token_ids": st.lists(st.integers(0, 100), max_size=3),
-    "ignore_eos": st.booleans(),
-    "logit_bias": st.dictionaries(st.integers(0, 100), st.floats(-100, 100, width=32), max_size=3),
-    "extra_args": st.dictionaries(st.text(min_size=1, max_size=5), st.integers(-5, 5) | st.text(max_size=5),
-                                  max_size=3),
-}).filter(lambda d: d.get("min_tokens", 0) <= d.get("max_tokens", SamplingParams().max_tokens))  # a valid request
+_sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "n": st.integers(1, 4),
+        "temperature": st.floats(0, 2, width=32),
+        "top_p": st.floats(0.125, 1, width=32),
+        "top_k": st.integers(0, 50),
+        "max_tokens": st.integers(1, 100),
+        "min_tokens": st.integers(0, 5),
+        "seed": st.integers(0, 2**31),
+        "stop": st.lists(st.text(min_size=1, max_size=5), max_size=3),
+        "stop_token_ids": st.lists(st.integers(0, 100), max_size=3),
+        "ignore_eos": st.booleans(),
+        "logit_bias": st.dictionaries(st.integers(0, 100), st.floats(-100, 100, width=32), max_size=3),
+        "extra_args": st.dictionaries(
+            st.text(min_size=1, max_size=5), st.integers(-5, 5) | st.text(max_size=5), max_size=3
+        ),
+    },
+).filter(lambda d: d.get("min_tokens", 0) <= d.get("max_tokens", SamplingParams().max_tokens))  # a valid request
 
 
 @settings(max_examples=80, deadline=None)
@@ -133,19 +144,25 @@ def test_sampling_params_survive_the_wire(fields: dict) -> None:
 def test_prompt_oneof() -> None:
     assert prompt_from_pb(pb.GenerateRequest(prompt="hi")) == "hi"
     assert prompt_from_pb(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2]))) == [1, 2]
-    with pytest.raises(ValueError, match="^prompt: "):
+    with pytest.raises(ValueError, match=r"^prompt: "):
         prompt_from_pb(pb.GenerateRequest())
 
 
 def _output(tokens: list[int], finished: bool) -> RequestOutput:
     logprobs = [{t: Logprob(-0.5, 1), t + 1: Logprob(-1.5, 2)} for t in tokens]
-    c = CompletionOutput(index=0, text="".join(f"<{t}>" for t in tokens), token_ids=tokens, cumulative_logprob=-1.0,
-                         logprobs=logprobs, finish_reason="length" if finished else None)
+    c = CompletionOutput(
+        index=0,
+        text="".join(f"<{t}>" for t in tokens),
+        token_ids=tokens,
+        cumulative_logprob=-1.0,
+        logprobs=logprobs,
+        finish_reason="length" if finished else None,
+    )
     return RequestOutput("r", None, [9, 9, 9], [c], finished=finished)
 
 
 def test_response_and_delta_carry_tokens_logprobs_and_usage() -> None:
-    decode = lambda t: f"<{t}>"  # noqa: E731
+    decode = lambda t: f"<{t}>"
     resp = completion_from_pb(response_pb("client-id", _output([4, 5], True), decode))
     assert resp.request_id == "client-id"
     (choice,) = resp.choices
@@ -169,8 +186,14 @@ def test_response_and_delta_carry_tokens_logprobs_and_usage() -> None:
     xargs=st.none() | st.dictionaries(st.text(min_size=1, max_size=4), st.integers(), max_size=2),
 )
 def test_completion_body_to_params(temperature, top_p, max_tokens, stop, xargs) -> None:
-    body = {"prompt": "p", "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "stop": stop,
-            "vllm_xargs": xargs}
+    body = {
+        "prompt": "p",
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_tokens": max_tokens,
+        "stop": stop,
+        "vllm_xargs": xargs,
+    }
     params = CompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}).sampling_params()
     ref = SamplingParams()  # the plain reference: a field left out takes SamplingParams' default
     assert params.temperature == (ref.temperature if temperature is None else temperature)

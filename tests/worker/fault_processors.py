@@ -45,7 +45,7 @@ class NaNProcessor(_PerRow):
     KEY = "nan"
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for row, _ in self.rows.items():
+        for row in self.rows:
             logits[row, 0] = float("nan")
         return logits
 

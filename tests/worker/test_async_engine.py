@@ -12,7 +12,9 @@ from worker.config import EngineConfig
 
 
 def make_engine(loaded, **kw) -> AsyncEngine:
-    return AsyncEngine(EngineConfig(max_num_seqs=kw.pop("max_num_seqs", 16), load_entry_points=False, **kw), loaded=loaded)
+    return AsyncEngine(
+        EngineConfig(max_num_seqs=kw.pop("max_num_seqs", 16), load_entry_points=False, **kw), loaded=loaded
+    )
 
 
 async def _steps_until(engine: AsyncEngine, cond, limit: int = 200) -> int:
@@ -34,7 +36,9 @@ def test_concurrent_streams_share_the_batch(tiny_model):
         async def one(i):
             nonlocal peak
             last = None
-            async for out in engine.generate(f"s{i}", prompts[i], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)):
+            async for out in engine.generate(
+                f"s{i}", prompts[i], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+            ):
                 peak = max(peak, engine.num_running)
                 last = out
             return last

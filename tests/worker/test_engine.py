@@ -3,6 +3,8 @@ feature through `LLM`, custom processors loaded three ways, failure isolation.""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -36,11 +38,17 @@ def hf_greedy(loaded, prompt: list[int], max_new: int) -> tuple[list[int], list[
     ids = torch.tensor([prompt], device=loaded.device)
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
             min_new_tokens=max_new,
         )
-    return out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits]
+    return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
 
 
 @pytest.mark.parametrize("reorder", [False, True], ids=["condense", "swap-reorder"])
@@ -109,7 +117,9 @@ def test_seed_dummy_processor_end_to_end(tiny_model, how, monkeypatch):
     outs = llm.generate(prompts, params)
     assert outs[0].outputs[0].token_ids == [target] * 8
     assert outs[2].outputs[0].token_ids == [5] * 8
-    baseline = make_llm(tiny_model).generate([prompts[1], prompts[3]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    baseline = make_llm(tiny_model).generate(
+        [prompts[1], prompts[3]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     assert outs[1].outputs[0].token_ids == baseline[0].outputs[0].token_ids
     assert outs[3].outputs[0].token_ids == baseline[1].outputs[0].token_ids
     with pytest.raises(ValueError, match="target_token"):
@@ -119,10 +129,13 @@ def test_seed_dummy_processor_end_to_end(tiny_model, how, monkeypatch):
 def test_adapter_wrapped_request_level_processor(tiny_model):
     llm = make_llm(tiny_model, logits_processors=[WrappedPerReqLogitsProcessor])
     prompts = prompts_of(tiny_model, 2, seed=3)
-    outs = llm.generate(prompts, [
-        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args={"target_token": 42}),
-        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-    ])
+    outs = llm.generate(
+        prompts,
+        [
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args={"target_token": 42}),
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        ],
+    )
     assert outs[0].outputs[0].token_ids == [42] * 6
     ref, _ = hf_greedy(tiny_model, prompts[1], 6)
     assert outs[1].outputs[0].token_ids == ref
@@ -136,11 +149,14 @@ def test_seeded_sampling_is_batch_invariant(tiny_model):
     others = prompts_of(tiny_model, 30, seed=5)
     crowd = llm.generate(
         [*others[:13], prompt, *others[13:]],
-        [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 13 + [params]
+        [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 13
+        + [params]
         + [SamplingParams(temperature=0.7, top_k=20, max_tokens=12, ignore_eos=True)] * 17,
     )
     assert crowd[13].outputs[0].token_ids == alone
-    other_seed = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=12, ignore_eos=True))
+    other_seed = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=12, ignore_eos=True)
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
@@ -150,12 +166,15 @@ def test_stop_token_ids_and_min_tokens(tiny_model):
     free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
     stop_tok = free.token_ids[4]
     first = free.token_ids.index(stop_tok)
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]))[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]))[0].outputs[
+        0
+    ]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     # min_tokens masks the stop token until min_tokens outputs exist
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 2,
-                                                stop_token_ids=[stop_tok]))[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 2, stop_token_ids=[stop_tok])
+    )[0].outputs[0]
     assert stop_tok not in out.token_ids[: first + 2]
     assert len(out.token_ids) >= first + 2
 
@@ -168,7 +187,9 @@ def test_stop_strings_are_cut_from_text(tiny_model):
     assert len(text) > 6
     stop = text[3:6]
     idx = text.index(stop)
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]))[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[:idx]
     assert stop not in out.text
@@ -180,8 +201,9 @@ def test_eos_stops_unless_ignored(tiny_model):
     prompt = prompts_of(tiny_model, 1, seed=8)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, logit_bias={eos: 100.0}))[0].outputs[0]
     assert out.token_ids == [eos] and out.finish_reason == "stop"
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
-                                                logit_bias={eos: 100.0}))[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias={eos: 100.0})
+    )[0].outputs[0]
     assert out.token_ids == [eos] * 10 and out.finish_reason == "length"
 
 
@@ -192,27 +214,38 @@ def test_bad_words_and_allowed_token_ids(tiny_model):
     free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0]
     word = tok.decode([free.token_ids[0]]).strip()
     assert word
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, bad_words=[word]))[0].outputs[0]
-    banned = {ids[-1] for form in (word, " " + word) for ids in [tok.encode(form, add_special_tokens=False)] if len(ids) == 1}
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, bad_words=[word]))[
+        0
+    ].outputs[0]
+    banned = {
+        ids[-1] for form in (word, " " + word) for ids in [tok.encode(form, add_special_tokens=False)] if len(ids) == 1
+    }
     assert banned and not banned & set(out.token_ids)
     allowed = [11, 12, 13]
-    out = llm.generate([prompt], SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True,
-                                                allowed_token_ids=allowed))[0].outputs[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed)
+    )[0].outputs[0]
     assert set(out.token_ids) <= set(allowed)
 
 
 def test_no_finite_logit_fails_only_that_request(tiny_model):
     llm = make_llm(tiny_model)
     tok = tiny_model.tokenizer
-    word_ids = [i for i in range(50, 200) if len(tok.encode(tok.decode([i]).strip(), add_special_tokens=False)) == 1
-                and tok.decode([i]).strip()][:2]
+    word_ids = [
+        i
+        for i in range(50, 200)
+        if len(tok.encode(tok.decode([i]).strip(), add_special_tokens=False)) == 1 and tok.decode([i]).strip()
+    ][:2]
     words = [tok.decode([i]).strip() for i in word_ids]
     only = [tok.encode(w, add_special_tokens=False)[0] for w in words]
     prompts = prompts_of(tiny_model, 2, seed=10)
-    outs = llm.generate(prompts, [
-        SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=only, bad_words=words),
-        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-    ])
+    outs = llm.generate(
+        prompts,
+        [
+            SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=only, bad_words=words),
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        ],
+    )
     assert outs[0].outputs[0].finish_reason == "error"
     assert "every token was excluded" in outs[0].outputs[0].error
     assert outs[0].outputs[0].token_ids == []
@@ -239,23 +272,43 @@ def reference_penalized_greedy(loaded, prompt, n, rep, freq, pres):
 def test_penalties_match_a_plain_reference(tiny_model, rep, freq, pres):
     llm = make_llm(tiny_model)
     prompt = prompts_of(tiny_model, 1, seed=11)[0]
-    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=rep,
-                                                frequency_penalty=freq, presence_penalty=pres))[0].outputs[0].token_ids
+    got = (
+        llm.generate(
+            [prompt],
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=12,
+                ignore_eos=True,
+                repetition_penalty=rep,
+                frequency_penalty=freq,
+                presence_penalty=pres,
+            ),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert got == reference_penalized_greedy(tiny_model, prompt, 12, rep, freq, pres)
 
 
 def test_huge_repetition_penalty_avoids_every_seen_token(tiny_model):
     llm = make_llm(tiny_model)
     prompt = prompts_of(tiny_model, 1, seed=12)[0]
-    ids = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
-                                                repetition_penalty=1e4))[0].outputs[0].token_ids
+    ids = (
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, repetition_penalty=1e4))[
+            0
+        ]
+        .outputs[0]
+        .token_ids
+    )
     assert len(set(ids)) == len(ids) and not set(ids) & set(prompt)
 
 
 def test_logprobs_ranks_and_cumulative(tiny_model):
     llm = make_llm(tiny_model)
     prompt = prompts_of(tiny_model, 1, seed=12)[0]
-    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True, logprobs=3))[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True, logprobs=3))[
+        0
+    ].outputs[0]
     assert len(out.logprobs) == 10
     total = 0.0
     for tok, position in zip(out.token_ids, out.logprobs):
@@ -267,7 +320,7 @@ def test_logprobs_ranks_and_cumulative(tiny_model):
         else:
             assert position[tok].rank > 3 and ranks[:3] == [1, 2, 3]
         by_rank = sorted(position.values(), key=lambda lp: lp.rank)
-        assert all(a.logprob >= b.logprob for a, b in zip(by_rank, by_rank[1:]))
+        assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(by_rank))
         total += position[tok].logprob
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
@@ -287,7 +340,7 @@ def test_n_greater_than_one(tiny_model):
 def test_generate_validates_everything_before_admitting(tiny_model):
     llm = make_llm(tiny_model, logits_processors=[DUMMY_FQCN])
     prompts = prompts_of(tiny_model, 3, seed=14)
-    with pytest.raises(ValueError, match="request 2: .*target_token"):
+    with pytest.raises(ValueError, match=r"request 2: .*target_token"):
         llm.generate(prompts, [SamplingParams(), SamplingParams(), SamplingParams(extra_args={"target_token": 1.5})])
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="logit_bias"):
@@ -302,11 +355,14 @@ def test_raising_processor_is_isolated(tiny_model):
     llm = make_llm(tiny_model, logits_processors=["tests.fixtures.seed_processors:RaisingLogitsProcessor"])
     prompts = prompts_of(tiny_model, 3, seed=15)
     for phase in ("apply", "update_state"):
-        outs = llm.generate(prompts, [
-            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args={"raise_in": phase}),
-            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-        ])
+        outs = llm.generate(
+            prompts,
+            [
+                SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args={"raise_in": phase}),
+                SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+            ],
+        )
         c = outs[1].outputs[0]
         assert c.finish_reason == "error"
         assert "RaisingLogitsProcessor" in c.error and phase in c.error
@@ -347,7 +403,9 @@ def test_text_matches_full_decode(tiny_model):
     llm = make_llm(tiny_model)
     tok = tiny_model.tokenizer
     for prompt in prompts_of(tiny_model, 3, seed=18):
-        out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))[0].outputs[0]
+        out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))[
+            0
+        ].outputs[0]
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
 
 

@@ -23,8 +23,10 @@ SMALL = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 def make_engine(loaded, policy: str = "fair", rows: int = ROWS) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_num_seqs=rows, max_num_batched_tokens=256, load_entry_points=False,
-                                  scheduling_policy=policy), loaded=loaded)
+    return LLMEngine(
+        EngineConfig(max_num_seqs=rows, max_num_batched_tokens=256, load_entry_points=False, scheduling_policy=policy),
+        loaded=loaded,
+    )
 
 
 class Driver:
@@ -139,6 +141,7 @@ def test_through_the_worker_replica_a_small_request_starts_within_a_few_steps(ti
     """The same, through LogitpoolWorker.generate (what Serve calls) over AsyncEngine: the hog's
     prompts arrive as four calls of one group; the small call's first output comes within a few
     engine steps of its arrival."""
+
     async def main() -> int:
         cfg = EngineConfig(max_num_seqs=ROWS, max_num_batched_tokens=256, load_entry_points=False)
         worker = LogitpoolWorker(cfg.as_kwargs(), engine_factory=lambda c: AsyncEngine(c, loaded=tiny_model))

@@ -21,8 +21,17 @@ from worker.sampling_params import SamplingParams
 
 
 def seq(rid: str, tenant: str, group: str, priority: int) -> Request:
-    return Request(rid, rid, 0, [1], SamplingParams(), None, group=group, tenant=tenant,  # type: ignore[arg-type]
-                   priority=priority)
+    return Request(
+        rid,
+        rid,
+        0,
+        [1],
+        SamplingParams(),
+        None,
+        group=group,
+        tenant=tenant,  # type: ignore[arg-type]
+        priority=priority,
+    )
 
 
 # -- the reference: a flat list in queue order, nothing incremental ----------------------------
@@ -77,8 +86,11 @@ def ref_fair_victim(req: Request, running: list[Request], queue: list[Request], 
     if t_ex < 0:
         pool = [(i, r) for i, r in enumerate(running) if ref_excess(r, running, queue, rows)[0] > 0]
     elif g_ex < 0:
-        pool = [(i, r) for i, r in enumerate(running)
-                if r.tenant == req.tenant and ref_excess(r, running, queue, rows)[1] > 0]
+        pool = [
+            (i, r)
+            for i, r in enumerate(running)
+            if r.tenant == req.tenant and ref_excess(r, running, queue, rows)[1] > 0
+        ]
     else:
         return None
     if not pool:
@@ -90,12 +102,19 @@ def ref_fair_victim(req: Request, running: list[Request], queue: list[Request], 
 
 _add = st.tuples(st.just("add"), st.sampled_from(["", "k1", "k2"]), st.integers(1, 9), st.integers(-2, 2))
 _admit = st.tuples(st.just("admit"), st.integers(1, 12))
-ops = st.lists(st.one_of(
-    _add, _add, _admit, _admit,
-    st.tuples(st.just("finish"), st.integers(0, 63)),
-    st.tuples(st.just("kv"), st.just(0)),
-    st.tuples(st.just("block"), st.integers(0, 63)),
-), min_size=10, max_size=80)
+ops = st.lists(
+    st.one_of(
+        _add,
+        _add,
+        _admit,
+        _admit,
+        st.tuples(st.just("finish"), st.integers(0, 63)),
+        st.tuples(st.just("kv"), st.just(0)),
+        st.tuples(st.just("block"), st.integers(0, 63)),
+    ),
+    min_size=10,
+    max_size=80,
+)
 
 
 @pytest.mark.parametrize("policy", ["fair", "priority", "fcfs"])

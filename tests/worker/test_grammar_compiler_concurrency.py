@@ -57,7 +57,7 @@ class InlineExecutor(Executor):
         fut: Future[Any] = Future()
         try:
             fut.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - a Future carries any exception, as the executor's does
             fut.set_exception(exc)
         return fut
 
@@ -77,7 +77,7 @@ class GatedExecutor(Executor):
         fn, args, fut = self.tasks.pop(index)
         try:
             fut.set_result(fn(*args))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - a Future carries any exception, as the executor's does
             fut.set_exception(exc)
 
 
@@ -114,7 +114,9 @@ def test_any_completion_order_resolves_every_caller(keys: list[int], seed: int, 
     results: dict[int, tuple[str, object]] = {}
     threads = []
     for i, k in enumerate(keys):
-        t = threading.Thread(target=lambda i=i, k=k: results.__setitem__(i, _call(lambda: c.compile(_params(specs[k])))))
+        t = threading.Thread(
+            target=lambda i=i, k=k: results.__setitem__(i, _call(lambda: c.compile(_params(specs[k]))))
+        )
         t.start()
         threads.append(t)
         while gate.tasks and rng.random() < 0.5:  # release some pending compiles before the next caller
@@ -142,7 +144,7 @@ def test_many_threads_on_the_real_pool(warm: None) -> None:
         rng = random.Random(seed)
         for _ in range(25):
             so = specs[rng.randrange(len(specs))]
-            kind, res = _call(lambda: c.compile(_params(so)))
+            kind, res = _call(lambda so=so: c.compile(_params(so)))
             if (kind == "ok") != (so not in INVALID):
                 errors.append(AssertionError((so, kind, res)))
             if rng.random() < 0.05:

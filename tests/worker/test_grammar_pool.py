@@ -116,8 +116,11 @@ def test_a_compile_over_the_memory_budget_is_a_value_error_and_the_pool_lives_on
     c = compiler(pool)
     big = StructuredOutputsParams(json={"enum": [f"v{i:06d}x" for i in range(5000)]})  # ~16 MB to compile
     assert c.compile(regex("a+")) is not None
-    with pytest.raises(ValueError, match=r"^structured_outputs.json: compiling the JSON schema needs more than the "
-                                         r"8 MiB compile memory budget"):
+    with pytest.raises(
+        ValueError,
+        match=r"^structured_outputs.json: compiling the JSON schema needs more than the "
+        r"8 MiB compile memory budget",
+    ):
         c.compile(big)
     jobs = pool.stats().jobs
     with pytest.raises(ValueError, match="8 MiB compile memory budget"):
@@ -164,7 +167,7 @@ def test_a_compile_that_waits_past_the_queue_bound_is_busy(pools: list[GrammarPo
     slow: list[object] = []
     in_thread(lambda: compiler(pool, timeout_s=300.0).compile(heavy()), slow)
     eventually(lambda: pool.stats().heavy_running == 1, "the heavy lane taken")
-    with pytest.raises(CompileBusy, match="^structured_outputs.json: every grammar compile worker is busy") as info:
+    with pytest.raises(CompileBusy, match=r"^structured_outputs.json: every grammar compile worker is busy") as info:
         compiler(pool, timeout_s=60.0).compile(MEDIUM)
     assert info.value.http_status == 503
 
@@ -182,8 +185,11 @@ def test_oversize_constraints_are_rejected_before_compiling(pools: list[GrammarP
     pool = new_pool(pools)
     c = compiler(pool, max_spec_bytes=64)
     so = StructuredOutputsParams(json={"enum": ["x" * 100]}, source="response_format.json_schema.schema")
-    with pytest.raises(ValueError, match=rf"^response_format.json_schema.schema: the JSON schema is {len(so.spec)} "
-                                         r"bytes, over the 64 bytes a constraint may have \(max_constraint_bytes\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^response_format.json_schema.schema: the JSON schema is {len(so.spec)} "
+        r"bytes, over the 64 bytes a constraint may have \(max_constraint_bytes\)",
+    ):
         c.compile(so)
     with pytest.raises(ValueError, match=f"over the {MAX_CONSTRAINT_BYTES} bytes"):
         compiler(pool).compile(regex("a" * (MAX_CONSTRAINT_BYTES + 1)))
@@ -193,7 +199,9 @@ def test_oversize_constraints_are_rejected_before_compiling(pools: list[GrammarP
 def test_the_ingress_bounds_constraints_by_limits() -> None:
     params = SamplingParams(structured_outputs={"json": {"enum": ["x" * 100]}})  # type: ignore[arg-type]
     size = len(params.structured_outputs.spec)  # type: ignore[union-attr]
-    with pytest.raises(ValueError, match=rf"^structured_outputs.json: {size} bytes exceeds limits.max_constraint_bytes \(64\)"):
+    with pytest.raises(
+        ValueError, match=rf"^structured_outputs.json: {size} bytes exceeds limits.max_constraint_bytes \(64\)"
+    ):
         check_request(Limits(max_constraint_bytes=64), params, 1)
     check_request(Limits(), params, 1)
     assert Limits().max_constraint_bytes == MAX_CONSTRAINT_BYTES  # stated once, engine side

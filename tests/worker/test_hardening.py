@@ -1,5 +1,6 @@
 """Issue 8 on the engine, offline (LLM / LLMEngine / AsyncEngine), real tiny model (vocab 3000):
-a validated value never crashes a step, a fault stays with its request, numerics per docs/sampling.md "The nine steps"."""
+a validated value never crashes a step, a fault stays with its request, numerics per
+docs/sampling.md "The nine steps"."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The non-finite rules (docs/sampling.md "Non-finite values") in the batched Sampler, against a plain per-row reference:
-+inf forces (greedy: lowest id; random: uniform, exactly), all -inf and NaN fail their row alone
-with distinct messages, and rows without a special value are not affected."""
+"""The non-finite rules (docs/sampling.md "Non-finite values") in the batched Sampler, against a
+plain per-row reference: +inf forces (greedy: lowest id; random: uniform, exactly), all -inf and
+NaN fail their row alone with distinct messages, and rows without a special value are not affected."""
 
 from __future__ import annotations
 

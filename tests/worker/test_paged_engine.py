@@ -9,6 +9,7 @@ and later re-added with its live output list).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ from worker.engine import LLMEngine
 from worker.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
 from worker.logits_processor.penalties import PenaltiesLogitsProcessor
-from worker.outputs import OutputAccumulator, RequestOutput
 from worker.model.runner import block_bytes
+from worker.outputs import OutputAccumulator, RequestOutput
 from worker.sampling_params import SamplingParams
 
 
@@ -105,8 +106,16 @@ def test_preemption_leaves_greedy_and_seeded_outputs_bit_identical(tiny_model) -
     reqs = []
     for i, p in enumerate(prompts):
         if i % 2:
-            params = SamplingParams(temperature=0.9, top_k=40, seed=100 + i, max_tokens=20, ignore_eos=True,
-                                    repetition_penalty=1.3, min_tokens=5, logprobs=1)
+            params = SamplingParams(
+                temperature=0.9,
+                top_k=40,
+                seed=100 + i,
+                max_tokens=20,
+                ignore_eos=True,
+                repetition_penalty=1.3,
+                min_tokens=5,
+                logprobs=1,
+            )
         else:
             params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
         reqs.append((p, params))
@@ -178,7 +187,7 @@ class OracleProcessor(LogitsProcessor):
     (added at row 0 when it joined, ``update_state(None)`` after). Logits pass through unchanged.
     """
 
-    instances: list[OracleProcessor] = []
+    instances: ClassVar[list[OracleProcessor]] = []
 
     def __init__(self, config, device, is_pin_memory) -> None:
         self.args = (config, device, is_pin_memory)
@@ -242,8 +251,18 @@ def test_processors_see_preemption_as_removal_and_re_add(tiny_model) -> None:
     OracleProcessor.instances.clear()
     prompts = prompts_of(tiny_model, 8, lo=20, hi=60, seed=45)
     reqs = [
-        (p, SamplingParams(temperature=0.7, seed=i, max_tokens=18, min_tokens=i % 4 * 3, ignore_eos=True,
-                           presence_penalty=0.5 * (i % 3), logit_bias={7: 3.0} if i % 2 else None))
+        (
+            p,
+            SamplingParams(
+                temperature=0.7,
+                seed=i,
+                max_tokens=18,
+                min_tokens=i % 4 * 3,
+                ignore_eos=True,
+                presence_penalty=0.5 * (i % 3),
+                logit_bias={7: 3.0} if i % 2 else None,
+            ),
+        )
         for i, p in enumerate(prompts)
     ]
     engine = _engine(tiny_model, blocks=18, block_size=8, logits_processors=(OracleProcessor,))
@@ -272,8 +291,12 @@ def test_short_soak_frees_every_block_and_keeps_rss_flat(tiny_model) -> None:
     rss_after_warmup = 0.0
     for i in range(150):
         own = torch.randint(10, 2900, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
-        params = SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i if i % 3 else None, ignore_eos=True,
-                                max_tokens=int(torch.randint(1, 12, (1,), generator=g)))
+        params = SamplingParams(
+            temperature=0.8 if i % 2 else 0.0,
+            seed=i if i % 3 else None,
+            ignore_eos=True,
+            max_tokens=int(torch.randint(1, 12, (1,), generator=g)),
+        )
         engine.add_request(f"s{i}", heads[i % 3] + own, params)
         if i % 3 == 2:  # three arrivals per step: the pool runs short
             engine.step()

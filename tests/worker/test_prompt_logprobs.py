@@ -18,8 +18,8 @@ from tests.worker.test_paged_engine import _engine
 from tests.worker.test_paged_engine import _run as run_paged
 from worker.engine import LLMEngine
 from worker.llm import LLM
-from worker.outputs import PositionLogprobs, RequestOutput
 from worker.model.runner import ScheduledSeq
+from worker.outputs import PositionLogprobs, RequestOutput
 from worker.sampling_params import SamplingParams
 
 ATOL = 1e-4

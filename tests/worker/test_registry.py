@@ -1,4 +1,5 @@
-"""Loading processors (docs/sampling.md "Programming model"): FQCN, class objects, real entry points; order; failures."""
+"""Loading processors (docs/sampling.md "Programming model"): FQCN, class objects, real entry points;
+order; failures."""
 
 from __future__ import annotations
 

@@ -178,7 +178,7 @@ def test_seeded_and_greedy_rows_are_batch_invariant(seed: int, n: int, v: int) -
     for i, p in enumerate(targets):
         others = [_random_params(rng, v) for _ in range(n)]
         pos = rng.randrange(n + 1)
-        params = others[:pos] + [p] + others[pos:]
+        params = [*others[:pos], p, *others[pos:]]
         x = torch.randn(n + 1, v, generator=g)
         x[pos] = rows[i]
         prompts = [[rng.randrange(v)] for _ in params]

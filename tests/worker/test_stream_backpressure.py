@@ -18,8 +18,9 @@ LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 
 
 def make_engine(loaded) -> AsyncEngine:
-    return AsyncEngine(EngineConfig(max_num_seqs=4, load_entry_points=False, stream_buffer_outputs=BUFFER),
-                       loaded=loaded)
+    return AsyncEngine(
+        EngineConfig(max_num_seqs=4, load_entry_points=False, stream_buffer_outputs=BUFFER), loaded=loaded
+    )
 
 
 async def wait_for(cond, engine: AsyncEngine, steps: int = 400) -> None:
@@ -52,8 +53,12 @@ def test_a_stalled_stream_pauses_others_proceed_and_reading_resumes_it(tiny_mode
         assert held <= 1 + BUFFER + 2, held
         assert engine.engine.scheduler.paused[0].block_ids, "a paused request keeps its KV"
 
-        other = [o async for o in engine.generate("other", prompts[1], SamplingParams(
-            temperature=0.0, max_tokens=30, ignore_eos=True))]
+        other = [
+            o
+            async for o in engine.generate(
+                "other", prompts[1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+            )
+        ]
         assert other[-1].finished and len(other[-1].outputs[0].token_ids) == 30
         assert generated(engine, "stalled") == held, "nothing is produced for a paused stream"
         steps = engine.engine.num_steps
@@ -91,12 +96,20 @@ def test_cancelling_a_paused_stream_frees_its_row_and_blocks(tiny_model):
 def test_a_paused_requests_kv_is_the_first_to_go_when_blocks_run_short(tiny_model):
     """Idle streams never hold KV others need: a new request that finds no free block takes the
     paused one's, and the paused one recomputes when it resumes (same tokens)."""
+
     async def main() -> None:
         prompt_len, new, block = 24, 40, 8
         blocks = 2 * -(-(prompt_len + new) // block)  # room for two of the three requests at full length
-        engine = AsyncEngine(EngineConfig(max_num_seqs=4, load_entry_points=False, stream_buffer_outputs=BUFFER,
-                                          block_size=block, kv_cache_bytes=blocks * block_bytes(tiny_model, block)),
-                             loaded=tiny_model)
+        engine = AsyncEngine(
+            EngineConfig(
+                max_num_seqs=4,
+                load_entry_points=False,
+                stream_buffer_outputs=BUFFER,
+                block_size=block,
+                kv_cache_bytes=blocks * block_bytes(tiny_model, block),
+            ),
+            loaded=tiny_model,
+        )
         assert engine.engine.kv.num_blocks == blocks
         prompts = prompts_of(tiny_model, 3, lo=prompt_len, hi=prompt_len + 1, seed=63)
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)

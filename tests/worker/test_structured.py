@@ -30,7 +30,7 @@ EOS = V - 1
 # A 64-token vocabulary whose tokens the harness draws often (CharTokenizer's ids of "abcde")
 # are the letters the constraints below are made of, so rows live for many steps.
 _HOT = {CharTokenizer(V).encode(ch)[0]: ch for ch in "abcde"}
-_FILL = list('{}[]":, 0123456789xyzfghijklmnopqrstuvw') + ["ab", "cd", "true", "false", "null", '{"', '":', '"}']
+_FILL = [*list('{}[]":, 0123456789xyzfghijklmnopqrstuvw'), "ab", "cd", "true", "false", "null", '{"', '":', '"}']
 
 
 def _vocab() -> list[str]:
@@ -91,7 +91,7 @@ def test_conforms_under_churn_with_random_constraints(compiler: StructuredCompil
 
 
 def test_mask_follows_the_live_output_and_eos_only_where_accepted(compiler: StructuredCompiler) -> None:
-    a, b, c, d, e = (CharTokenizer(V).encode(ch)[0] for ch in "abcde")
+    a, b, _c, d, _e = (CharTokenizer(V).encode(ch)[0] for ch in "abcde")
     proc = StructuredOutputsLogitsProcessor(None, torch.device("cpu"), False)
     free = SamplingParams()
     (out0, _) = _add(proc, _constrained({"choice": ["abc", "bad"]}, compiler), free)
@@ -107,7 +107,7 @@ def test_mask_follows_the_live_output_and_eos_only_where_accepted(compiler: Stru
 
 def test_rejected_token_kills_only_its_row(compiler: StructuredCompiler) -> None:
     proc = StructuredOutputsLogitsProcessor(None, torch.device("cpu"), False)
-    out0, out1 = _add(proc, _constrained({"regex": "[a-e]+"}, compiler), _constrained({"regex": "[a-e]+"}, compiler))
+    out0, _out1 = _add(proc, _constrained({"regex": "[a-e]+"}, compiler), _constrained({"regex": "[a-e]+"}, compiler))
     out0.append(VOCAB.index("{"))  # only possible when something bypassed the mask
     dead, alive = _allowed(proc, 2)
     assert dead == set()
@@ -168,8 +168,9 @@ IMPOSSIBLE = [
 
 @pytest.mark.parametrize("schema", IMPOSSIBLE, ids=lambda s: json.dumps(s)[:40])
 @pytest.mark.parametrize("source", ["structured_outputs", "response_format.json_schema.schema"])
-def test_impossible_schema_is_a_value_error_naming_the_field(compiler: StructuredCompiler, schema: dict,
-                                                             source: str) -> None:
+def test_impossible_schema_is_a_value_error_naming_the_field(
+    compiler: StructuredCompiler, schema: dict, source: str
+) -> None:
     field = "structured_outputs.json" if source == "structured_outputs" else source
     with pytest.raises(ValueError, match=f"^{re.escape(field)}: invalid JSON schema: "):
         compiler.compile(StructuredOutputsParams(json=schema, source=source))
@@ -185,22 +186,33 @@ def byte_compiler() -> StructuredCompiler:
     ("so", "satisfiable"),
     [
         ({"json": {"type": "string", "pattern": "^\n$"}}, False),  # JSON strings never hold a raw newline
-        ({"json": {"type": "object", "properties": {"a": {"type": "string", "pattern": r"^[\x00-\x08]+$"}},
-                   "required": ["a"], "additionalProperties": False}}, False),
+        (
+            {
+                "json": {
+                    "type": "object",
+                    "properties": {"a": {"type": "string", "pattern": r"^[\x00-\x08]+$"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                }
+            },
+            False,
+        ),
         ({"json": {"type": "string", "pattern": "^(a|\n)$"}}, True),  # one way out is enough
         ({"regex": "a\n"}, True),  # a regex is not JSON: a raw newline is output like any byte
         ({"json": {"const": "\n"}}, True),  # escaped by the JSON grammar
         ({"grammar": 'root ::= "x" ("y" | "z")*'}, True),
     ],
 )
-def test_a_constraint_no_output_satisfies_is_a_value_error(byte_compiler: StructuredCompiler, so: dict,
-                                                           satisfiable: bool) -> None:
+def test_a_constraint_no_output_satisfies_is_a_value_error(
+    byte_compiler: StructuredCompiler, so: dict, satisfiable: bool
+) -> None:
     params = StructuredOutputsParams(**so)
     if satisfiable:
         assert byte_compiler.compile(params) is not None
     else:
-        with pytest.raises(ValueError, match=f"^structured_outputs.{params.kind}: invalid JSON schema: no output "
-                                             "satisfies it"):
+        with pytest.raises(
+            ValueError, match=f"^structured_outputs.{params.kind}: invalid JSON schema: no output satisfies it"
+        ):
             byte_compiler.compile(params)
 
 
@@ -241,8 +253,10 @@ def test_cache_is_lru_keyed_by_constraint() -> None:
 
 def test_slow_compile_is_bounded() -> None:
     c = StructuredCompiler.from_vocab(VOCAB, [EOS], timeout_s=1e-4)
-    schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^[a-e]{{1,{i + 1}}}$"}
-                                               for i in range(40)}}
+    schema = {
+        "type": "object",
+        "properties": {f"k{i}": {"type": "string", "pattern": f"^[a-e]{{1,{i + 1}}}$"} for i in range(40)},
+    }
     with pytest.raises(ValueError, match=r"^structured_outputs.json: compiling the JSON schema took longer than"):
         c.compile(StructuredOutputsParams(json=schema))
 

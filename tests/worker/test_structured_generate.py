@@ -36,8 +36,10 @@ SCHEMAS = {
         "properties": {
             "point": {
                 "type": "object",
-                "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
-                               "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+                "properties": {
+                    "x": {"type": "integer", "minimum": -9, "maximum": 9},
+                    "y": {"type": "integer", "minimum": -9, "maximum": 9},
+                },
                 "required": ["x", "y"],
             },
             "kind": {"enum": ["p", "q", "r"]},
@@ -49,8 +51,10 @@ SCHEMAS = {
         "type": "array",
         "items": {
             "type": "object",
-            "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
-                           "v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "null"}]}},
+            "properties": {
+                "id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+                "v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "null"}]},
+            },
             "required": ["id", "v"],
         },
         "minItems": 1,
@@ -69,7 +73,11 @@ LARK_TEXT = re.compile(r"[a-z]{1,6}(,[a-z]{1,6}){0,2}\.")
 def llm() -> LLM:
     path = build_tiny_model(
         default_model_path().parent / "tiny-llama-1layer",
-        hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128,
+        hidden_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
     )
     return LLM(str(path), max_num_seqs=64, dtype="float32")
 
@@ -86,13 +94,14 @@ def _kinds() -> dict[str, tuple[dict, object]]:
     def full(rx: re.Pattern[str]):
         def check(text: str) -> None:
             assert rx.fullmatch(text), text
+
         return check
 
     kinds: dict[str, tuple[dict, object]] = {
         f"json:{name}": ({"json": schema}, schema_check(schema)) for name, schema in SCHEMAS.items()
     }
     kinds["regex"] = ({"regex": REGEX}, full(re.compile(REGEX)))
-    kinds["choice"] = ({"choice": CHOICES}, lambda text: CHOICES.index(text))
+    kinds["choice"] = ({"choice": CHOICES}, CHOICES.index)
     kinds["grammar:ebnf"] = ({"grammar": EBNF}, full(EBNF_TEXT))
     kinds["grammar:lark"] = ({"grammar": LARK}, full(LARK_TEXT))
     return kinds
@@ -117,7 +126,9 @@ def test_json_object_outputs_are_objects_or_valid_prefixes(llm: LLM) -> None:
     """Any JSON object is unbounded (free strings), so some runs hit max_tokens: `length`
     outputs must still be a prefix the grammar accepts; `stop` outputs parse as objects."""
     outs = _gen(llm, {"json_object": True}, max_tokens=48)
-    compiled = compiler_for(llm.get_tokenizer(), llm.engine.vocab_size).compile(StructuredOutputsParams(json_object=True))
+    compiled = compiler_for(llm.get_tokenizer(), llm.engine.vocab_size).compile(
+        StructuredOutputsParams(json_object=True)
+    )
     stopped = 0
     for c in outs:
         if c.finish_reason == "stop":
@@ -139,12 +150,30 @@ def test_mixed_batch_constrained_and_free_rows(llm: LLM) -> None:
     person = SCHEMAS["person"]
     reqs: list[tuple[str, SamplingParams, object]] = []
     for i in range(8):
-        reqs.append(("schema", SamplingParams(structured_outputs={"json": person}, max_tokens=96, seed=100 + i),
-                     person))
-        reqs.append(("choice", SamplingParams(structured_outputs={"choice": CHOICES}, n=3, max_tokens=16,
-                                              bad_words=["maybe"], temperature=1.5), None))
-        reqs.append(("regex", SamplingParams(structured_outputs={"regex": REGEX}, max_tokens=32,
-                                             seed=i if i % 2 else None, logit_bias={forbidden: 100.0}), None))
+        reqs.append(
+            ("schema", SamplingParams(structured_outputs={"json": person}, max_tokens=96, seed=100 + i), person)
+        )
+        reqs.append(
+            (
+                "choice",
+                SamplingParams(
+                    structured_outputs={"choice": CHOICES}, n=3, max_tokens=16, bad_words=["maybe"], temperature=1.5
+                ),
+                None,
+            )
+        )
+        reqs.append(
+            (
+                "regex",
+                SamplingParams(
+                    structured_outputs={"regex": REGEX},
+                    max_tokens=32,
+                    seed=i if i % 2 else None,
+                    logit_bias={forbidden: 100.0},
+                ),
+                None,
+            )
+        )
         reqs.append(("free", SamplingParams(max_tokens=12, seed=i, logit_bias={forbidden: 100.0}), None))
     outs = llm.generate([f"mixed {i}" for i in range(len(reqs))], [p for _, p, _ in reqs], use_tqdm=False)
     for (kind, _, schema), out in zip(reqs, outs):
@@ -167,18 +196,30 @@ def test_mixed_batch_constrained_and_free_rows(llm: LLM) -> None:
 def test_seeded_constrained_output_does_not_depend_on_the_batch(llm: LLM) -> None:
     params = SamplingParams(structured_outputs={"regex": REGEX}, max_tokens=32, seed=7)
     alone = llm.generate(["same prompt"], params, use_tqdm=False)[0].outputs[0].text
-    mixed = llm.generate(
-        ["same prompt", "other", "third"],
-        [params, SamplingParams(max_tokens=20), SamplingParams(structured_outputs={"choice": CHOICES}, max_tokens=8)],
-        use_tqdm=False,
-    )[0].outputs[0].text
+    mixed = (
+        llm.generate(
+            ["same prompt", "other", "third"],
+            [
+                params,
+                SamplingParams(max_tokens=20),
+                SamplingParams(structured_outputs={"choice": CHOICES}, max_tokens=8),
+            ],
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .text
+    )
     assert alone == mixed and re.fullmatch(REGEX, alone)
 
 
 def test_max_tokens_mid_structure_finishes_with_length(llm: LLM) -> None:
-    out = llm.generate(["p"], SamplingParams(structured_outputs={"json": SCHEMAS["person"]}, max_tokens=3, seed=1),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["p"], SamplingParams(structured_outputs={"json": SCHEMAS["person"]}, max_tokens=3, seed=1), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
-    m = compiler_for(llm.get_tokenizer(), llm.engine.vocab_size).compile(
-        StructuredOutputsParams(json=SCHEMAS["person"])).matcher()
+    m = (
+        compiler_for(llm.get_tokenizer(), llm.engine.vocab_size)
+        .compile(StructuredOutputsParams(json=SCHEMAS["person"]))
+        .matcher()
+    )
     assert all(m.accept(t) for t in out.token_ids)  # a valid prefix, just unfinished

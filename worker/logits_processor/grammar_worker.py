@@ -43,7 +43,9 @@ def compile_spec(compiler: Any, kind: str, spec: str) -> Any:
     if kind == "regex":
         return compiler.compile_regex(spec)
     if kind == "choice":
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec)))
+        return compiler.compile_grammar(
+            "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in json.loads(spec))
+        )
     if "::=" in spec:
         return compiler.compile_grammar(spec)
     return compiler.compile_lark(spec)

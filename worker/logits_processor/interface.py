@@ -1,4 +1,6 @@
-"""The batch-level logits-processor programming model (docs/sampling.md "Programming model"), vLLM v1's names and signatures.
+"""The batch-level logits-processor programming model (docs/sampling.md "Programming model").
+
+vLLM v1's names and signatures.
 
 A processor written for vLLM ports by changing its imports.
 """

@@ -1,10 +1,10 @@
 """Loading the worker's logits processors at start-up (docs/sampling.md "Programming model") and the loaded set.
 
 Order is the pipeline order: the built-ins (AllowedTokenIds, BadWords, MinTokens, LogitBias,
-StructuredOutputs, MinP: docs/sampling.md "The nine steps" steps 3-5, 7b), then every entry point of group ``logitpool.logits_processors``
-sorted by name, then the configured ``custom`` ones (FQCN strings or classes) in order. A class
-listed twice loads once, at its first position. Penalties are loaded too but kept apart: the
-sampler applies them at step 6, not through the generic lists.
+StructuredOutputs, MinP: docs/sampling.md "The nine steps" steps 3-5, 7b), then every entry point of
+group ``logitpool.logits_processors`` sorted by name, then the configured ``custom`` ones (FQCN
+strings or classes) in order. A class listed twice loads once, at its first position. Penalties
+are loaded too but kept apart: the sampler applies them at step 6, not through the generic lists.
 
 Declaring ``extra_args`` (``schema.py``): a processor may own keys of ``SamplingParams.extra_args``
 through a pydantic ``extra_args_model``, a JSON-schema dict ``extra_args_schema`` or bare

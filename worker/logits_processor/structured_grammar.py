@@ -344,10 +344,11 @@ class StructuredCompiler:
             return hit
         if rejected is not None:
             raise self._error(so, rejected)
+        assert fut is not None  # neither a hit nor a rejection: set under the lock above
         if owner:
             try:
                 self._dispatch.submit(self._run, key, fut)
-            except BaseException as exc:  # the executor is shut down: fail this compile, not the next
+            except BaseException as exc:  # noqa: BLE001 - the executor is shut down: fail this compile, not the next
                 self._finish(key, fut, None, exc)
         try:
             return fut.result(timeout=self.pool.answer_within_s(self.timeout_s) + self.timeout_s)
@@ -355,7 +356,7 @@ class StructuredCompiler:
             raise self._error(so, Verdict(Outcome.TIMEOUT)) from None
         except _Rejected as exc:
             raise self._error(so, exc.verdict) from None
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any library failure is the user's bad spec: a 400
             raise ValueError(f"{so.field_name}: invalid {_WHAT[so.kind]}: {_library_message(str(exc))}") from None
 
     def _check_size(self, so: StructuredOutputsParams, spec: str) -> None:
@@ -372,14 +373,19 @@ class StructuredCompiler:
         if outcome is Outcome.INVALID:
             return ValueError(f"{where}: invalid {what}: {_library_message(verdict.message)}")
         if outcome is Outcome.TIMEOUT:
-            return ValueError(f"{where}: compiling the {what} took longer than {self.timeout_s:g}s; simplify the constraint")
+            return ValueError(
+                f"{where}: compiling the {what} took longer than {self.timeout_s:g}s; simplify the constraint"
+            )
         if outcome is Outcome.MEMORY:
             mib = self.pool.config.memory_bytes >> 20
-            return ValueError(f"{where}: compiling the {what} needs more than the {mib} MiB compile memory budget; "
-                              "simplify the constraint")
+            return ValueError(
+                f"{where}: compiling the {what} needs more than the {mib} MiB compile memory budget; "
+                "simplify the constraint"
+            )
         if outcome is Outcome.CRASHED:
-            return ValueError(f"{where}: the grammar compiler failed on this {what} ({verdict.message}); "
-                              "simplify the constraint")
+            return ValueError(
+                f"{where}: the grammar compiler failed on this {what} ({verdict.message}); simplify the constraint"
+            )
         if outcome is Outcome.BUSY:
             return CompileBusy(f"{where}: every grammar compile worker is busy; retry later")
         return RuntimeError(f"{where}: grammar compiling is unavailable: {verdict.message}")

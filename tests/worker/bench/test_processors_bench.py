@@ -25,7 +25,9 @@ def test_ten_percent_enables_a_tenth_of_the_rows() -> None:
 def test_main_prints_a_row_per_case(capsys) -> None:
     threads = torch.get_num_threads()
     try:
-        assert main(["--batch-size", "8", "--vocab-size", "128", "--warmup", "0", "--repeats", "1", "--threads", "1"]) == 0
+        assert (
+            main(["--batch-size", "8", "--vocab-size", "128", "--warmup", "0", "--repeats", "1", "--threads", "1"]) == 0
+        )
     finally:
         torch.set_num_threads(threads)  # main sets it for the process
     table = capsys.readouterr().out.split("\n\n")[-1]
