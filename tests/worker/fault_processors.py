@@ -45,7 +45,7 @@ class NaNProcessor(_PerRow):
     KEY = "nan"
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for row in self.rows:
+        for row, _ in self.rows.items():  # noqa: PERF102 - RowStates is not a dict: .items() gives (row, state)
             logits[row, 0] = float("nan")
         return logits
 
