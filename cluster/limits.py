@@ -75,6 +75,9 @@ class Limits(BaseModel):
     read_timeout_s: PositiveFloat = 10.0
     """HTTP: the whole request (headers and body) must arrive within this many seconds of the
     connection, or of the first byte of a later request on it (see cluster.slow_clients)."""
+    write_stall_timeout_s: PositiveFloat = 30.0
+    """HTTP: a client that stops reading a response (the socket's buffers full) for this long is
+    disconnected, and its request aborted (see cluster.slow_clients)."""
     max_header_bytes: PositiveInt = 64 << 10
     """HTTP: a request's head (request line and headers); past it Serve's proxy answers 431 and
     closes the connection (see cluster.slow_clients)."""

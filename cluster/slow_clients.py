@@ -31,14 +31,19 @@ CALLBACK = "cluster.slow_clients:install"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 TIMEOUT_ENV = "LOGITPOOL_HTTP_READ_TIMEOUT_S"
 HEADER_ENV = "LOGITPOOL_HTTP_MAX_HEADER_BYTES"
+STALL_ENV = "LOGITPOOL_HTTP_WRITE_STALL_S"
 
 
-def proxy_env(read_timeout_s: float, max_header_bytes: int | None = None) -> dict[str, str]:
+def proxy_env(
+    read_timeout_s: float, max_header_bytes: int | None = None, write_stall_s: float | None = None
+) -> dict[str, str]:
     """Environment for the processes of a Ray cluster so its Serve HTTP proxy installs the bounds
-    (the header limit's default is `Limits().max_header_bytes`)."""
+    (defaults: `Limits()`'s)."""
     env = {CALLBACK_ENV: CALLBACK, TIMEOUT_ENV: repr(float(read_timeout_s))}
     if max_header_bytes is not None:
         env[HEADER_ENV] = str(int(max_header_bytes))
+    if write_stall_s is not None:
+        env[STALL_ENV] = repr(float(write_stall_s))
     return env
 
 
@@ -156,6 +161,46 @@ def _patch(cls: Any, timeout_s: float, max_header_bytes: int) -> None:
     cls._lp_read_timeout = timeout_s
 
 
+def _bound_write_stalls(cls: Any, stall_s: float) -> None:
+    """A client that stops reading a response: once the socket's buffers are full, uvicorn pauses
+    writing; if it stays paused for `stall_s`, the connection is closed. Serve then cancels the
+    request (the worker aborts it and frees its row), so what Serve's proxy buffers for a reader
+    that went quiet is bounded by what the stream produces in `stall_s`."""
+    if "_lp_write_stall" in cls.__dict__:
+        return
+    pause_writing, resume_writing, connection_lost = cls.pause_writing, cls.resume_writing, cls.connection_lost
+
+    def expire(self: Any) -> None:
+        self._lp_stall_timer = None
+        if self.transport is not None:
+            # abort, not close: close() waits to flush the buffered bytes, which never drain.
+            self.transport.abort()
+
+    def cancel(self: Any) -> None:
+        timer = getattr(self, "_lp_stall_timer", None)
+        if timer is not None:
+            timer.cancel()
+        self._lp_stall_timer = None
+
+    def patched_pause_writing(self: Any) -> None:
+        pause_writing(self)
+        if getattr(self, "_lp_stall_timer", None) is None:
+            self._lp_stall_timer = self.loop.call_later(stall_s, expire, self)
+
+    def patched_resume_writing(self: Any) -> None:
+        cancel(self)
+        resume_writing(self)
+
+    def patched_connection_lost(self: Any, exc: Exception | None) -> None:
+        cancel(self)
+        connection_lost(self, exc)
+
+    cls.pause_writing = patched_pause_writing
+    cls.resume_writing = patched_resume_writing
+    cls.connection_lost = patched_connection_lost
+    cls._lp_write_stall = stall_s
+
+
 def _widen_h11(cls: Any, max_header_bytes: int) -> None:
     """h11 refuses a head past its own buffer bound (16 KiB by default) with a 400: make that
     bound at least the limit, so the 431 above decides."""
@@ -181,8 +226,10 @@ def install() -> list[Any]:
 
     timeout_s = float(os.environ.get(TIMEOUT_ENV) or Limits().read_timeout_s)
     max_header_bytes = int(os.environ.get(HEADER_ENV) or Limits().max_header_bytes)
+    stall_s = float(os.environ.get(STALL_ENV) or Limits().write_stall_timeout_s)
     if "_lp_read_timeout" not in h11_impl.H11Protocol.__dict__:
         _widen_h11(h11_impl.H11Protocol, max_header_bytes)
     for cls in (httptools_impl.HttpToolsProtocol, h11_impl.H11Protocol):
         _patch(cls, timeout_s, max_header_bytes)
+        _bound_write_stalls(cls, stall_s)
     return []

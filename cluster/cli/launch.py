@@ -39,7 +39,8 @@ def local_cluster_env(cfg: Any, token_dir: Path | None = None) -> dict[str, str]
     """
     from cluster.slow_clients import proxy_env
 
-    env = dict(proxy_env(cfg.limits.read_timeout_s, cfg.limits.max_header_bytes))
+    limits = cfg.limits
+    env = dict(proxy_env(limits.read_timeout_s, limits.max_header_bytes, limits.write_stall_timeout_s))
     env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(cfg.limits.grpc_message_bytes)
     env[WORKER_NICENESS_ENV] = os.environ.get(WORKER_NICENESS_ENV, "0")
     if cfg.server.host in ("127.0.0.1", "localhost", "::1"):

@@ -51,6 +51,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   value: {{ .Values.limits.read_timeout_s | toString | quote }}
 - name: LOGITPOOL_HTTP_MAX_HEADER_BYTES
   value: {{ .Values.limits.max_header_bytes | toString | quote }}
+- name: LOGITPOOL_HTTP_WRITE_STALL_S
+  value: {{ .Values.limits.write_stall_timeout_s | toString | quote }}
 # Serve's gRPC proxy receives and sends messages up to this size (its default is 2 GiB);
 # limits.max_grpc_message_bytes, which `logitpool serve` sets likewise (cluster/cli/launch.py).
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
