@@ -23,7 +23,7 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Lint first. The suite's own Ray clusters run without token auth (tests/conftest.py says why).
+# The suite's own Ray clusters run without token auth (tests/conftest.py says why).
 # `make lint` (ruff + mypy) is not yet run by `make test`: the tree is not clean yet (issue 19).
 test: venv
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q
