@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
 from client.pb.logitpool.v1 import logitpool_pb2_grpc as pb_grpc
-from cluster.config import LogitpoolConfig
 from cluster.chat import fit_to_context
+from cluster.config import LogitpoolConfig
+from tests.cluster.serving_helpers import deployed
 from worker.sampling_params import INT64_MAX, SamplingParams
 
 APP = "parity"
@@ -58,24 +59,14 @@ def test_fit_to_context_matches_the_reference(prompt_len: int, max_tokens: int, 
 
 @pytest.fixture(scope="module")
 def app(serve_ports, tiny_model_dir):
-    from ray import serve
-
-    from cluster.cli.launch import deploy, wait_ready
-
-    cfg = LogitpoolConfig.model_validate(
-        {
-            "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN},
-            "workers": {"num_replicas": 1},
-            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-            "app_name": APP,
-            "served_model_name": SERVED,
-            "api_keys": [KEY],
-        }
+    yield from deployed(
+        serve_ports,
+        tiny_model_dir,
+        APP,
+        {"max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN},
+        served_model_name=SERVED,
+        api_keys=[KEY],
     )
-    deploy(cfg)
-    wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
-    yield cfg
-    serve.delete(APP)
 
 
 @pytest.fixture(scope="module")

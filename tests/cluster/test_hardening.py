@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from client import Client, InvalidArgument
-from cluster.config import LogitpoolConfig
+from tests.cluster.serving_helpers import deployed, error_of, post
 from tests.cluster.test_limits import deep_request_bytes
 from tests.conftest import TEST_READ_TIMEOUT_S
 
@@ -29,22 +29,7 @@ CHECK = "/grpc.health.v1.Health/Check"
 
 @pytest.fixture(scope="module")
 def app(serve_ports, tiny_model_dir):
-    from ray import serve
-
-    from cluster.cli.launch import deploy, wait_ready
-
-    cfg = LogitpoolConfig.model_validate(
-        {
-            "engine": {"model": str(tiny_model_dir), "max_num_seqs": 8, "max_model_len": 512},
-            "workers": {"num_replicas": 1},
-            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-            "app_name": APP,
-        }
-    )
-    deploy(cfg)
-    wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
-    yield cfg
-    serve.delete(APP)
+    yield from deployed(serve_ports, tiny_model_dir, APP, {"max_num_seqs": 8, "max_model_len": 512})
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +47,6 @@ def channel(app):
 def client(app):
     with Client(f"127.0.0.1:{app.server.grpc_port}", timeout=60, application=APP) as c:
         yield c
-
-
-def post(base: str, body, path: str = "/v1/completions", **kw) -> httpx.Response:
-    if not isinstance(body, (bytes, str)):
-        body = json.dumps(body)
-    headers = {"content-type": "application/json", **kw.pop("headers", {})}
-    return httpx.post(base + path, content=body, headers=headers, timeout=60, **kw)
-
-
-def error_of(r: httpx.Response, status: int) -> dict:
-    """The response's OpenAI-shaped error (JSON whatever the status)."""
-    assert r.status_code == status, r.text[:300]
-    assert r.headers["content-type"].startswith("application/json")
-    err = r.json()["error"]
-    assert set(err) >= {"message", "type", "code", "param"}
-    return err
 
 
 def raw_call(channel, method: str, payload: bytes) -> grpc.RpcError:

@@ -12,13 +12,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from client import Client, InvalidArgument
-from cluster.config import LogitpoolConfig
 from cluster.limits import Limits
+from tests.cluster.serving_helpers import deployed, error_of
+from tests.cluster.serving_helpers import post as _post
 
 pytestmark = pytest.mark.ray
 
@@ -29,23 +31,13 @@ HEADER_LIMIT = Limits().max_header_bytes  # the session cluster's proxy runs wit
 
 @pytest.fixture(scope="module")
 def app(serve_ports, tiny_model_dir):
-    from ray import serve
-
-    from cluster.cli.launch import deploy, wait_ready
-
-    cfg = LogitpoolConfig.model_validate(
-        {
-            "engine": {"model": str(tiny_model_dir), "max_num_seqs": 16, "max_model_len": 512},
-            "workers": {"num_replicas": 1},
-            "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
-            "limits": {"max_response_logprobs": RESPONSE_LIMIT},
-            "app_name": APP,
-        }
+    yield from deployed(
+        serve_ports,
+        tiny_model_dir,
+        APP,
+        {"max_num_seqs": 16, "max_model_len": 512},
+        limits={"max_response_logprobs": RESPONSE_LIMIT},
     )
-    deploy(cfg)
-    wait_ready("127.0.0.1", serve_ports[0], timeout_s=180)
-    yield cfg
-    serve.delete(APP)
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +51,9 @@ def client(app):
         yield c
 
 
-def post(base: str, body: bytes | dict, path: str = "/v1/completions", content_type: str = "application/json"):
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(base + path, content=content, headers={"content-type": content_type}, timeout=120)
-
-
-def error_of(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text[:300]
-    return r.json()["error"]
+def post(*args: Any, **kw: Any) -> httpx.Response:
+    """The shared POST with this module's longer wait (its requests carry megabytes)."""
+    return _post(*args, timeout=120, **kw)
 
 
 # -- item 6: header size ---------------------------------------------------------------------
@@ -176,9 +163,9 @@ def test_json_in_another_encoding_is_415(base, path, text, encoding):
 
 def test_a_charset_other_than_utf8_is_415_and_a_bom_is_skipped(base):
     body = {"prompt": "x", "max_tokens": 2}
-    err = error_of(post(base, body, content_type="application/json; charset=utf-16"), 415)
+    err = error_of(post(base, body, headers={"content-type": "application/json; charset=utf-16"}), 415)
     assert err["message"].startswith("content-type: charset") and "UTF-8" in err["message"]
-    assert post(base, body, content_type="application/json; charset=UTF-8").status_code == 200
+    assert post(base, body, headers={"content-type": "application/json; charset=UTF-8"}).status_code == 200
     assert post(base, b"\xef\xbb\xbf" + json.dumps(body).encode()).status_code == 200
 
 
