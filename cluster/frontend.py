@@ -24,11 +24,11 @@ from transformers import AutoTokenizer
 from cluster import limits as request_limits
 from cluster import pool_stats, prompt_bound
 from cluster.auth import ApiKeys
+from cluster.chat import Turn, fit_to_context, render_chat
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
 from cluster.limits import ONCE, ResponseShape
 from cluster.metrics import Metrics
-from cluster.chat import Turn, fit_to_context, render_chat
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.model.loader import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput

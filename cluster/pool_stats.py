@@ -91,10 +91,6 @@ class PoolSnapshot:
         return dataclasses.replace(snap, replica_id=replica_id or snap.replica_id)
 
 
-def snapshot(stats: EngineStats, *, kv_cache_bytes: int = 0) -> PoolSnapshot:
-    return PoolSnapshot.of(stats, kv_cache_bytes=kv_cache_bytes)
-
-
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 

@@ -154,16 +154,20 @@ class LogitpoolWorker:
         }
 
     def stats(self) -> pool_stats.PoolSnapshot:
-        """This replica's engine stats (pool_stats.snapshot of AsyncEngine.stats())."""
-        return pool_stats.snapshot(self.engine.stats(), kv_cache_bytes=self.engine.engine.runner.kv_cache_bytes)
+        """This replica's engine stats (a PoolSnapshot of AsyncEngine.stats())."""
+        return pool_stats.PoolSnapshot.of(self.engine.stats(), kv_cache_bytes=self.engine.engine.runner.kv_cache_bytes)
+
+    async def _publish(self, what: str) -> None:
+        """One snapshot to the KV store (bounded by its timeout); a failure is logged, never raised."""
+        ctx = serve.get_replica_context()
+        try:
+            await pool_stats.publish(ctx.app_name, ctx.replica_id.unique_id, self.stats())
+        except Exception as exc:  # noqa: BLE001 - stats are best effort; health and exiting still work
+            logger.warning("publishing %s failed: %r", what, exc)
 
     async def _publish_forever(self) -> None:
-        ctx = serve.get_replica_context()
         while True:
-            try:
-                await pool_stats.publish(ctx.app_name, ctx.replica_id.unique_id, self.stats())
-            except Exception as exc:  # noqa: BLE001 - stats are best effort; health still works
-                logger.warning("publishing engine stats failed: %r", exc)
+            await self._publish("engine stats")
             await asyncio.sleep(pool_stats.PUBLISH_INTERVAL_S)
 
     async def check_health(self) -> None:
@@ -185,11 +189,7 @@ class LogitpoolWorker:
     async def _leave(self) -> None:
         """Publish the dead state first (so /health turns 503 at this heartbeat, not when the
         entry goes stale), then exit; the publish is bounded by the KV store's timeout."""
-        ctx = serve.get_replica_context()
-        try:
-            await pool_stats.publish(ctx.app_name, ctx.replica_id.unique_id, self.stats())
-        except Exception as exc:  # noqa: BLE001 - exiting matters more than the last snapshot
-            logger.warning("publishing the dead state failed: %r", exc)
+        await self._publish("the dead state")
         await asyncio.sleep(EXIT_DELAY_S)
         os._exit(1)
 

@@ -222,7 +222,7 @@ def test_pool_snapshots_are_json_whatever_the_engine_reports():
         restarts=1,
         kv={"blocks_used": torch.tensor(7), "hit_rate": float("nan"), "name": "x"},
     )
-    snap = pool_stats.snapshot(stats, kv_cache_bytes=1024)
+    snap = pool_stats.PoolSnapshot.of(stats, kv_cache_bytes=1024)
     wire = json.loads(snap.to_json())  # allow_nan=False inside: strict JSON or an error
     assert wire["kv"] == {"blocks_used": 7.0} and wire["finished"] == {"stop": 3} and wire["kv_cache_bytes"] == 1024
     back = pool_stats.PoolSnapshot.from_json(snap.to_json(), replica_id="r1")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import LogitpoolConfig
 from cluster.chat import fit_to_context
+from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, classify, error_body
 from cluster.openai.protocol import (
     ChatCompletionRequest,
