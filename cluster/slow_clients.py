@@ -86,6 +86,14 @@ def _in_head(protocol: Any) -> bool:
     return cycle is None or cycle is getattr(protocol, "_lp_read_cycle", None)
 
 
+def _cancel_timer(protocol: Any, attr: str) -> None:
+    """Cancel the protocol's timer kept in ``attr`` (one of ours), if one is armed."""
+    timer = getattr(protocol, attr, None)
+    if timer is not None:
+        timer.cancel()
+    setattr(protocol, attr, None)
+
+
 def _patch(cls: Any, timeout_s: float, max_header_bytes: int) -> None:
     if "_lp_read_timeout" in cls.__dict__:
         return
@@ -105,10 +113,7 @@ def _patch(cls: Any, timeout_s: float, max_header_bytes: int) -> None:
         self._lp_timer = self.loop.call_later(timeout_s, expire, self)
 
     def disarm(self: Any) -> None:
-        timer = getattr(self, "_lp_timer", None)
-        if timer is not None:
-            timer.cancel()
-        self._lp_timer = None
+        _cancel_timer(self, "_lp_timer")
 
     def refuse_head(self: Any) -> None:
         cycle = self.cycle
@@ -176,23 +181,17 @@ def _bound_write_stalls(cls: Any, stall_s: float) -> None:
             # abort, not close: close() waits to flush the buffered bytes, which never drain.
             self.transport.abort()
 
-    def cancel(self: Any) -> None:
-        timer = getattr(self, "_lp_stall_timer", None)
-        if timer is not None:
-            timer.cancel()
-        self._lp_stall_timer = None
-
     def patched_pause_writing(self: Any) -> None:
         pause_writing(self)
         if getattr(self, "_lp_stall_timer", None) is None:
             self._lp_stall_timer = self.loop.call_later(stall_s, expire, self)
 
     def patched_resume_writing(self: Any) -> None:
-        cancel(self)
+        _cancel_timer(self, "_lp_stall_timer")
         resume_writing(self)
 
     def patched_connection_lost(self: Any, exc: Exception | None) -> None:
-        cancel(self)
+        _cancel_timer(self, "_lp_stall_timer")
         connection_lost(self, exc)
 
     cls.pause_writing = patched_pause_writing
