@@ -10,6 +10,14 @@ class Unauthenticated(Exception):
     """Missing or wrong API key."""
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The credentials of `Bearer <token>`: the scheme in any case, spaces around it or the token
+    ignored (RFC 9110 section 11.1); None for any other scheme or an empty token."""
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    token = credentials.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 class ApiKeys:
     def __init__(self, keys: Iterable[str] = ()) -> None:
         self._keys = [k.encode() for k in keys if k]
@@ -23,9 +31,8 @@ class ApiKeys:
         scheme in any case, spaces around it or the key ignored (RFC 9110 section 11.1)."""
         if not self._keys:
             return
-        scheme, _, credentials = (authorization or "").strip().partition(" ")
-        given = credentials.strip()
-        if scheme.lower() != "bearer" or not given:
+        given = bearer_token(authorization)
+        if given is None:
             raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
         # Compare against every key in constant time; never short-circuit on a match.
         ok = False

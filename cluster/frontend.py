@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from cluster import limits as request_limits
 from cluster import pool_stats, prompt_bound
-from cluster.auth import ApiKeys
+from cluster.auth import ApiKeys, bearer_token
 from cluster.chat import Turn, fit_to_context, render_chat
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
@@ -248,5 +248,5 @@ class Frontend:
 def tenant_id(authorization: str | None) -> str:
     """A non-secret id of an accepted API key: 12 hex digits of its SHA-256 (the same on every
     ingress replica, and it reveals nothing of a key that is not already guessable)."""
-    token = (authorization or "").partition(" ")[2].strip()
+    token = bearer_token(authorization) or ""
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()[:12]

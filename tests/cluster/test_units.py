@@ -43,6 +43,15 @@ def test_api_keys_accept_exactly_a_configured_bearer_key(keys: list[str], given_
             auth.check(header)
 
 
+@pytest.mark.parametrize("header", ["Bearer k1", "bearer k1", "  BEARER   k1  "])
+def test_a_key_accepted_in_any_spelling_is_one_tenant(header: str) -> None:
+    """The fair scheduler's tenant is the key ApiKeys accepted, however the scheme was written."""
+    from cluster.frontend import tenant_id
+
+    ApiKeys(["k1"]).check(header)
+    assert tenant_id(header) == tenant_id("Bearer k1") != tenant_id("Bearer k2")
+
+
 def test_no_keys_means_auth_off() -> None:
     assert not ApiKeys([]).enabled and not ApiKeys(["", ""]).enabled
     ApiKeys([]).check(None)
