@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -39,6 +40,10 @@ from worker.structured_outputs import MAX_CONSTRAINT_BYTES, StructuredOutputsPar
 
 COMPILE_TIMEOUT_S = 10.0
 CACHE_SIZE = 256
+# What the compiled grammars a compiler keeps may hold in all (vLLM's VLLM_XGRAMMAR_CACHE_MB is
+# 512 too): one within-bound JSON schema can compile to tens of MiB, so a count alone would let
+# 256 distinct heavy schemas pin gigabytes in the ingress and in every worker.
+CACHE_BYTES = 512 << 20
 REJECTED_CACHE_SIZE = 256
 # Rejections that a retry would meet again (a timeout may not: it depends on the load).
 _REMEMBERED = frozenset({Outcome.INVALID, Outcome.MEMORY, Outcome.CRASHED})
@@ -74,6 +79,12 @@ class CompiledConstraint:
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self)
+
+    @cached_property
+    def nbytes(self) -> int:
+        """What keeping it costs: xgrammar's own figure for the grammar, plus the mask."""
+        keep = 0 if self.keep is None else self.keep.numel() * self.keep.element_size()
+        return int(self.grammar.memory_size_bytes) + keep
 
 
 class GrammarMatcher:
@@ -248,8 +259,9 @@ class StructuredCompiler:
     A miss is checked against ``max_spec_bytes``, then compiled in a ``GrammarPool`` worker
     process (killed at ``timeout_s``; the process's shared pool unless ``pool`` is given); only
     a constraint that compiled there within its bounds is compiled here. Results go to an LRU
-    keyed by the constraint; rejections that would repeat (invalid, over the memory budget,
-    crashing the compiler) to a small negative cache, so a client repeating one costs nothing.
+    keyed by the constraint and bounded in entries and in bytes (``cache_bytes``); rejections
+    that would repeat (invalid, over the memory budget, crashing the compiler) go to a small
+    negative cache, so a client repeating one costs nothing.
     """
 
     def __init__(
@@ -257,6 +269,7 @@ class StructuredCompiler:
         info: xgr.TokenizerInfo,
         *,
         cache_size: int = CACHE_SIZE,
+        cache_bytes: int = CACHE_BYTES,
         timeout_s: float = COMPILE_TIMEOUT_S,
         max_spec_bytes: int = MAX_CONSTRAINT_BYTES,
         pool: GrammarPool | None = None,
@@ -265,6 +278,8 @@ class StructuredCompiler:
         self.vocab_size = info.vocab_size
         self.stop_ids = frozenset(int(t) for t in info.stop_token_ids)
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._cached_bytes = 0
         self.timeout_s = timeout_s
         self.max_spec_bytes = max_spec_bytes
         self._own_pool = pool
@@ -437,13 +452,34 @@ class StructuredCompiler:
             if self._pending.get(key) is fut:
                 del self._pending[key]
             if compiled is not None:
-                _put(self._cache, key, compiled, self.cache_size)
+                self._keep(key, compiled)
             elif isinstance(exc, _Rejected) and exc.verdict.outcome in _REMEMBERED:
                 _put(self._rejected, key, exc.verdict, REJECTED_CACHE_SIZE)
         if compiled is not None:
             fut.set_result(compiled)
         else:
             fut.set_exception(exc if exc is not None else RuntimeError("compile failed"))
+
+    def _keep(self, key: tuple[str, str], compiled: CompiledConstraint) -> None:
+        """Into the LRU, then evict from its cold end past ``cache_size`` entries or
+        ``cache_bytes`` in all; one larger than the whole budget is served, never kept.
+        Called under the lock."""
+        size = compiled.nbytes
+        if size > self.cache_bytes:
+            return
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cached_bytes -= old.nbytes
+        self._cache[key] = compiled
+        self._cached_bytes += size
+        while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
+            _, evicted = self._cache.popitem(last=False)
+            self._cached_bytes -= evicted.nbytes
+
+    @property
+    def cached_bytes(self) -> int:
+        """What the kept compiled grammars hold now (``nbytes`` summed)."""
+        return self._cached_bytes
 
     def _compile_now(self, kind: str, spec: str) -> CompiledConstraint:
         grammar = compile_spec(self._xgr, kind, spec)
@@ -453,6 +489,7 @@ class StructuredCompiler:
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._cached_bytes = 0
             self._rejected.clear()
 
     def __len__(self) -> int:
