@@ -8,8 +8,9 @@ from typing import Any
 from ray import serve
 
 from cluster.config import LogitpoolConfig
-from cluster.deploy.serve_config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, deployment_options
+from cluster.deploy.serve_config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, deployment_options, routing_policy
 from cluster.ingress import IngressDeployment
+from cluster.routing.config import ROUTER_CLASS
 from cluster.worker_deployment import EngineFactory, WorkerDeployment
 from worker.async_engine import AsyncEngine
 from worker.logits_processor.registry import fqcn_of, resolve_processor_class
@@ -43,18 +44,27 @@ def resolve_model(cfg: LogitpoolConfig) -> LogitpoolConfig:
 
 
 def build_app(
-    cfg: LogitpoolConfig, *, processors: Sequence[type] = (), engine_factory: EngineFactory = AsyncEngine
+    cfg: LogitpoolConfig,
+    *,
+    processors: Sequence[type] = (),
+    engine_factory: EngineFactory = AsyncEngine,
+    router_class: str = ROUTER_CLASS,
 ) -> serve.Application:
     """The application; `engine_factory` builds each worker replica's engine from its EngineConfig
-    (by reference: a class or module-level function, so it pickles)."""
+    (by reference: a class or module-level function, so it pickles); `router_class` routes to the
+    worker replicas under the cache-aware policy (a benchmark's baseline may replace it)."""
     if processors:
         cfg = cfg.with_overrides(
             **{"engine.logits_processors": cfg.engine.logits_processors + processor_fqcns(processors)}
         )
     cfg = resolve_model(cfg)
-    opts = deployment_options(cfg)
+    opts = deployment_options(cfg, router_class)
+    cache_aware = routing_policy(cfg) == "cache_aware"
     worker = WorkerDeployment.options(**opts[WORKER_DEPLOYMENT]).bind(
-        engine=cfg.engine.as_kwargs(), stream_interval_s=cfg.workers.stream_interval_s, engine_factory=engine_factory
+        engine=cfg.engine.as_kwargs(),
+        stream_interval_s=cfg.workers.stream_interval_s,
+        engine_factory=engine_factory,
+        published_blocks=cfg.routing.max_published_blocks if cache_aware else 0,
     )
     return IngressDeployment.options(**opts[INGRESS_DEPLOYMENT]).bind(worker, cfg.model_dump())
 

@@ -36,6 +36,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from cluster.limits import Limits
+from cluster.routing.config import RoutingConfig
 from worker.config import EngineConfig as WorkerEngineConfig
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -191,6 +192,8 @@ class LogitpoolConfig(_Frozen):
     server: ServerConfig = Field(default_factory=ServerConfig)
     limits: Limits = Field(default_factory=Limits)
     """Request size/time bounds enforced at the ingress; defaults in cluster.limits.Limits."""
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    """How the ingress picks a worker replica per request; cluster.routing.config."""
     api_keys: tuple[SecretStr, ...] = ()
     """Accepted bearer keys for in-process use; never written to a Serve config or YAML dump."""
     api_key_env: str = "LOGITPOOL_API_KEY"

@@ -1,5 +1,7 @@
-"""Prometheus metrics served at /metrics: this ingress replica's request counters, plus the
-engine stats of every worker replica of the application (see cluster.pool_stats)."""
+"""Prometheus metrics served at /metrics: this ingress replica's request counters and routing
+decisions (cluster.routing.stats), plus the engine stats of every worker replica of the
+application (see cluster.pool_stats; per-replica prefix hit rates are `logitpool_kv_cache`'s
+`prefix_hit_rate`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cluster import pool_stats
 from cluster.pool_stats import PoolSnapshot
+from cluster.routing.stats import all_counts
 from worker.outputs import RequestOutput
 
 
@@ -46,6 +49,7 @@ class Metrics:
         """This replica's counters and, from `pool` (pool_stats.collect), the workers' stats."""
         registry = CollectorRegistry()
         registry.register(_PoolCollector(pool))
+        registry.register(_RoutingCollector())
         return generate_latest(self.registry) + generate_latest(registry), CONTENT_TYPE_LATEST
 
 
@@ -98,3 +102,38 @@ class _PoolCollector:
         for s in pool:
             age.add_metric([s.replica_id], s.heartbeat_age_s)
         yield age
+
+
+class _RoutingCollector:
+    """This process's cache-aware routers (none under power_of_two): how each request was routed,
+    the blocks each replica's index holds, the reports taken."""
+
+    def collect(self) -> Iterator[Metric]:
+        counts = all_counts()
+        routed = CounterMetricFamily(
+            "logitpool_routing_requests",
+            "Requests routed to each worker replica: by cache (its prefix) or by load",
+            labels=["deployment", "replica", "by"],
+        )
+        index = GaugeMetricFamily(
+            "logitpool_routing_index_blocks",
+            "Blocks the router believes each replica caches: reported by it, or guessed from routing",
+            labels=["deployment", "replica", "source"],
+        )
+        reports = CounterMetricFamily(
+            "logitpool_routing_reports", "Replica cache reports taken by the router", labels=["deployment"]
+        )
+        report_bytes = CounterMetricFamily(
+            "logitpool_routing_report_bytes",
+            "Bytes of the replica reports received (pickled; Serve re-sends them all with every replica list)",
+            labels=["deployment"],
+        )
+        for c in counts:
+            for (replica, by), n in sorted(c.routed.items()):
+                routed.add_metric([c.deployment, replica, by], n)
+            for replica, size in sorted(c.index.items()):
+                index.add_metric([c.deployment, replica, "reported"], size.reported)
+                index.add_metric([c.deployment, replica, "guessed"], size.guessed)
+            reports.add_metric([c.deployment], c.reports)
+            report_bytes.add_metric([c.deployment], c.report_bytes)
+        yield from (routed, index, reports, report_bytes)

@@ -31,8 +31,10 @@ from ray import serve
 from cluster import pool_stats
 from cluster.gpu_check import check_gpu
 from cluster.replica_bind import bind_replica_grpc_to_node_ip
+from cluster.routing.report import Reporter
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.kv import CachedBlocks
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
@@ -77,6 +79,8 @@ class ServedEngine(Protocol):
 
     def healthy(self) -> bool: ...
 
+    async def cached_blocks(self) -> CachedBlocks: ...
+
 
 EngineFactory = Callable[[EngineConfig], ServedEngine]
 
@@ -91,8 +95,14 @@ def replica_engine_config(config: EngineConfig) -> tuple[EngineConfig, bool]:
 
 class LogitpoolWorker:
     def __init__(
-        self, engine: dict[str, Any], stream_interval_s: float = 0.0, engine_factory: EngineFactory = AsyncEngine
+        self,
+        engine: dict[str, Any],
+        stream_interval_s: float = 0.0,
+        engine_factory: EngineFactory = AsyncEngine,
+        published_blocks: int = 0,
     ) -> None:
+        """``published_blocks``: block digests per routing report (routing.max_published_blocks
+        under the cache-aware policy); 0 = no reports."""
         bind_replica_grpc_to_node_ip()
         self.config, allow_cpu = replica_engine_config(EngineConfig(**engine))
         check_gpu(allow_cpu, self.config.device)
@@ -103,6 +113,7 @@ class LogitpoolWorker:
         self._publisher: asyncio.Task[None] | None = None
         self._leaving = False
         self._leaving_task: asyncio.Task[None] | None = None
+        self._reporter = Reporter(published_blocks, self.config.block_size) if published_blocks else None
 
     async def generate(
         self, request_id: str, prompt: list[int] | str, params: SamplingParams, scheduling: Scheduling | None = None
@@ -169,6 +180,20 @@ class LogitpoolWorker:
         while True:
             await self._publish("engine stats")
             await asyncio.sleep(pool_stats.PUBLISH_INTERVAL_S)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's controller calls this every routing.stats_period_s and hands the result to the
+        routers of the worker deployment's handles (cluster.routing): this replica's cached blocks
+        and load. {} without reports, or when the engine cannot say (its index then goes stale)."""
+        if self._reporter is None:
+            return {}
+        try:
+            cached = await self.engine.cached_blocks()
+        except Exception as exc:  # noqa: BLE001 - a report is best effort; routing falls back to load
+            logger.warning("routing report failed: %r", exc)
+            return {}
+        stats = self.engine.stats()
+        return self._reporter.report(cached, stats.num_running, stats.num_waiting).to_stats()
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds (serve_config.HEALTH_CHECK_PERIOD_S): unhealthy as soon

@@ -14,6 +14,7 @@ the batch, KV kept; the other requests go on) and it resumes when half of them a
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
+from worker.kv import CachedBlocks
 from worker.model.loader import LoadedModel
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
@@ -35,6 +37,8 @@ _IDLE_WAIT_S = 0.5
 
 # The engine loop counts as stalled when it has not come round for this long while it has work.
 STALL_TIMEOUT_S = 60.0
+# How long a caller of `cached_blocks` waits for the engine thread to come round (one step).
+CACHED_BLOCKS_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -81,6 +85,8 @@ class AsyncEngine:
         # Engine state is owned by the engine thread; other threads read this copy, which the
         # engine thread replaces (one reference assignment) after every step.
         self._published = self._snapshot_engine()
+        # Callers of cached_blocks waiting for the engine thread (appended here, served there).
+        self._cache_waiters: collections.deque[asyncio.Future[CachedBlocks]] = collections.deque()
 
     @property
     def config(self) -> EngineConfig:
@@ -120,6 +126,28 @@ class AsyncEngine:
             batch_request_ids=tuple(eng.batch_request_ids()),
             num_paused=eng.num_paused,
         )
+
+    async def cached_blocks(self, timeout_s: float = CACHED_BLOCKS_TIMEOUT_S) -> CachedBlocks:
+        """What the prefix cache holds (cluster.routing publishes it): copied on the engine
+        thread between two steps, since the pool is that thread's; before the thread starts,
+        here. TimeoutError when the loop does not come round within ``timeout_s``."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {self.dead!r}")
+        if self._thread is None:
+            return self.engine.kv.pool.cached()
+        fut: asyncio.Future[CachedBlocks] = asyncio.get_running_loop().create_future()
+        self._cache_waiters.append(fut)
+        self._work.set()
+        return await asyncio.wait_for(fut, timeout_s)
+
+    def _serve_cache_waiters(self) -> None:
+        """On the engine thread: one copy of the cache for everyone waiting for one."""
+        if not self._cache_waiters:
+            return
+        cached = self.engine.kv.pool.cached()
+        while self._cache_waiters:
+            fut = self._cache_waiters.popleft()
+            fut.get_loop().call_soon_threadsafe(_resolve, fut, cached)  # each on its own loop
 
     def validate(self, params: SamplingParams) -> None:
         self.engine.validate(params)
@@ -189,6 +217,7 @@ class AsyncEngine:
         assert loop is not None
         while not self._stopping:
             self.heartbeat = time.monotonic()
+            self._serve_cache_waiters()
             if not self.engine.has_work():  # nothing, or only paused requests
                 self._work.wait(_IDLE_WAIT_S)
                 self._work.clear()
@@ -230,3 +259,8 @@ class AsyncEngine:
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats"]
+
+
+def _resolve(fut: asyncio.Future[CachedBlocks], cached: CachedBlocks) -> None:
+    if not fut.done():  # its caller may have timed out
+        fut.set_result(cached)

@@ -18,6 +18,7 @@ import httpx
 import torch
 
 from client import AsyncClient
+from cluster.cli.bench_args import local_deployment
 from worker.bench.latency import Latency, Stream, engine_stream, measure
 
 
@@ -112,13 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="logitpool bench serve")
     p.add_argument("--http", help="base URL of a running deployment (default: deploy locally)")
     p.add_argument("--grpc", help="host:port of its gRPC proxy")
-    p.add_argument("--model", help="model path (default: the embedded tiny model)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--worker-cpus", type=float, default=2.0)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=9000)
+    local_deployment(p, worker_cpus=2.0)
     asyncio.run(amain(p.parse_args(argv)))
     return 0
 

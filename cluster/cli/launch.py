@@ -99,9 +99,12 @@ def start_serve(cfg: Any, address: str | None = None, *, report: Any = _report) 
     return deploy(cfg, report=report, serving=lambda: healthy(host, cfg.server.http_port))
 
 
-def deploy(cfg: Any, *, timeout_s: float = READY_TIMEOUT_S, report: Any = _report, serving: Any = None) -> Any:
+def deploy(
+    cfg: Any, *, timeout_s: float = READY_TIMEOUT_S, report: Any = _report, serving: Any = None, **build: Any
+) -> Any:
     """(Re)deploy the application on a running Serve instance and wait until Serve runs it (a
-    replica's start-up failure raises with its cause); returns the resolved config."""
+    replica's start-up failure raises with its cause); returns the resolved config. ``build``:
+    more arguments of `cluster.app.build_app`."""
     from ray.serve.api import _run
 
     from cluster.app import build_app, resolve_model
@@ -109,7 +112,7 @@ def deploy(cfg: Any, *, timeout_s: float = READY_TIMEOUT_S, report: Any = _repor
 
     cfg = resolve_model(cfg)
     with quiet_serve_start():
-        _run(build_app(cfg), _blocking=False, name=cfg.app_name, route_prefix=cfg.route_prefix)
+        _run(build_app(cfg, **build), _blocking=False, name=cfg.app_name, route_prefix=cfg.route_prefix)
     pending = wait_running(cfg.app_name, timeout_s, report=report, serving=serving or (lambda: False))
     for line in pending:
         print(

@@ -294,8 +294,8 @@ def _main(argv: list[str] | None) -> int:
     g.add_argument("--extra-args", help="JSON object for custom logits processors")
     g.add_argument("--api-key")
     g.add_argument("--timeout", type=float, default=120.0)
-    b = sub.add_parser("bench", help="benchmarks: sampler | engine | serve | soak | processors | structured")
-    b.add_argument("what", choices=["sampler", "engine", "serve", "soak", "processors", "structured"])
+    b = sub.add_parser("bench", help="benchmarks: sampler | engine | serve | soak | processors | structured | routing")
+    b.add_argument("what", choices=["sampler", "engine", "serve", "soak", "processors", "structured", "routing"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cmd != "bench":
@@ -322,6 +322,8 @@ def _main(argv: list[str] | None) -> int:
         from worker.bench.processors import main as bench_main
     elif args.what == "structured":
         from worker.bench.structured import main as bench_main
+    elif args.what == "routing":
+        from cluster.cli.bench_routing import main as bench_main
     else:
         from cluster.cli.bench_serve import main as bench_main
     return bench_main(args.rest) or 0

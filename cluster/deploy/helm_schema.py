@@ -24,6 +24,7 @@ from pydantic_core import core_schema
 
 from cluster.config import ENGINE_FIELDS, ENGINE_JSON_SCHEMA, AutoscalingConfig, LogitpoolConfig
 from cluster.limits import Limits
+from cluster.routing.config import RoutingConfig
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "logitpool"
 SCHEMA = CHART / "values.schema.json"
@@ -37,7 +38,7 @@ _NOT_NULL = {("workers", "replicas")}
 # Integers in the chart where the config takes a float (a pod's GPU limit is a whole number).
 _INTEGER = {("workers", "gpus")}
 # Sections whose keys may be left out (the config's defaults apply).
-_OPTIONAL = {("limits",)}
+_OPTIONAL = {("limits",), ("routing",)}
 
 
 def _camel(name: str) -> str:
@@ -71,6 +72,8 @@ def _mapping() -> dict[tuple[str, ...], tuple[str, ...]]:
         m[("workers", "autoscaling", _camel(f))] = ("workers", "autoscaling", f)
     for f in Limits.model_fields:
         m[("limits", f)] = ("limits", f)
+    for f in RoutingConfig.model_fields:
+        m[("routing", f)] = ("routing", f)
     return m
 
 
@@ -117,6 +120,8 @@ def _draft7(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out = _draft7(rest[0], defs)
             if nullable:
                 out["type"] = [out["type"], "null"]
+                if "enum" in out:
+                    out["enum"] = [*out["enum"], None]
             return out
     out = {k: v for k, v in node.items() if k not in ("title", "default", "description")}
     if "items" in out:

@@ -3,8 +3,8 @@
 Pure Python, no tensors: the runner owns the KV storage and only reads the block tables.
 """
 
-from worker.kv.block_pool import BlockPool
+from worker.kv.block_pool import BlockPool, CachedBlocks
 from worker.kv.manager import KVCacheManager
 from worker.kv.prefix_cache import BlockHash, hash_block
 
-__all__ = ["BlockHash", "BlockPool", "KVCacheManager", "hash_block"]
+__all__ = ["BlockHash", "BlockPool", "CachedBlocks", "KVCacheManager", "hash_block"]

@@ -10,8 +10,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from worker.kv.prefix_cache import BlockHash
+
+
+@dataclass(frozen=True)
+class CachedBlocks:
+    """A copy of what the pool caches, for readers outside the engine thread (the routing
+    report, cluster.routing): ``BlockHash`` objects never change once built."""
+
+    addresses: tuple[BlockHash, ...]
+    num_free: int
+    num_blocks: int
 
 
 class BlockPool:
@@ -48,6 +59,10 @@ class BlockPool:
 
     def address_of(self, block: int) -> BlockHash | None:
         return self._hash_of.get(block)
+
+    def cached(self) -> CachedBlocks:
+        """Every cached address and the free count, copied (call it where the pool is changed)."""
+        return CachedBlocks(tuple(self._hash_of.values()), len(self._free), self.num_blocks)
 
     # -- changing ----------------------------------------------------------------------
 

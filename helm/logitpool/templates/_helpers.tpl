@@ -162,6 +162,7 @@ applications:
         http_port: {{ $v.ports.http | toJson }}
         grpc_port: {{ $v.ports.grpc | toJson }}
       limits: {{ $v.limits | toJson }}
+      routing: {{ $v.routing | toJson }}
       api_key_env: {{ include "logitpool.apiKeyEnv" . }}
       app_name: logitpool
       route_prefix: /
@@ -181,6 +182,15 @@ applications:
         ray_actor_options:
           num_cpus: {{ $w.cpus | toJson }}
           num_gpus: {{ $w.gpus | toJson }}
+        {{- /* cluster/deploy/serve_config.py routing_policy: cache_aware by default when replicas can exceed 1 */ -}}
+        {{- $most := ternary $a.maxReplicas $w.replicas $a.enabled -}}
+        {{- $policy := $v.routing.policy | default (ternary "cache_aware" "power_of_two" (gt (int $most) 1)) -}}
+        {{- if eq $policy "cache_aware" }}
+        request_router_config:
+          request_router_class: cluster.routing.router:CacheAwareRouter
+          request_router_kwargs: {{ omit $v.routing "policy" | toJson }}
+          request_routing_stats_period_s: {{ $v.routing.stats_period_s | toJson }}
+        {{- end }}
       - name: LogitpoolIngress
         num_replicas: {{ $v.ingress.replicas | toJson }}
         max_ongoing_requests: {{ $v.ingress.maxOngoingRequests | toJson }}
