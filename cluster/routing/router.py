@@ -15,9 +15,10 @@ power of two alone.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pickle
-from collections import OrderedDict
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +38,6 @@ logger = logging.getLogger(__name__)
 # The worker's streaming call and where its prompt is (cluster.worker_deployment.LogitpoolWorker.generate).
 GENERATE_METHOD = "generate"
 PROMPT_ARG, PROMPT_KWARG = 1, "prompt"
-# Requests being routed whose digests and decision are kept until Serve says where they went;
-# one cancelled while queued never hears back, so the oldest are dropped past this many.
-MAX_TRACKED = 4096
 # Guesses per replica, as a multiple of the blocks a report may carry.
 GUESSES_PER_PUBLISHED_BLOCK = 4
 
@@ -82,7 +80,11 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             stale_after_s=self._cfg.stale_after_s,
             max_guesses=GUESSES_PER_PUBLISHED_BLOCK * self._cfg.max_published_blocks,
         )
-        self._tracked: OrderedDict[str, _Routing] = OrderedDict()
+        # Per routing attempt (its future; a retry gets a new one): digests and decision, until
+        # Serve says where it went. Weak: an attempt cancelled while queued never hears back.
+        self._tracked: weakref.WeakKeyDictionary[asyncio.Future[Any], _Routing] = weakref.WeakKeyDictionary()
+        # The request each of Serve's routing tasks is routing now (see _fulfill_next_pending_request).
+        self._routing_now: weakref.WeakKeyDictionary[asyncio.Task[Any], PendingRequest] = weakref.WeakKeyDictionary()
         self.stats = RouterStats(f"{self._deployment_id.app_name}/{self._deployment_id.name}")
 
     # -- replicas and their reports --------------------------------------------------------
@@ -115,6 +117,9 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         )
         if pending_request is None or not fallback:
             return fallback
+        task = asyncio.current_task()
+        if task is not None:
+            self._routing_now[task] = pending_request
         try:
             first = self._first_rank(candidate_replicas, pending_request, fallback[0])
         except Exception:  # routing by cache is an optimisation: fall back to load, never fail
@@ -158,16 +163,32 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return [target]
 
     def _track(self, request: PendingRequest) -> _Routing | None:
-        key = request.metadata.internal_request_id
-        if key in self._tracked:
-            return self._tracked[key]
+        if request.future in self._tracked:
+            return self._tracked[request.future]
         tokens = request_prompt(request)
         if tokens is None:
             return None
-        routing = self._tracked[key] = _Routing(tokens)
-        while len(self._tracked) > MAX_TRACKED:
-            self._tracked.popitem(last=False)
+        routing = self._tracked[request.future] = _Routing(tokens)
         return routing
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """Give ``replica`` to the request this routing task chose it for.
+
+        Serve's own matching goes by the internal request id, which every call made while serving
+        one ingress request shares (a batch's prompts, each a `generate` call): past the first,
+        no call would ever match and each would be routed for ever. Serve's power-of-two router
+        does not hit this (its FIFO mixin hands the replica to the oldest waiting call), but
+        FIFO would give a replica chosen for one prompt's cache to another prompt.
+        """
+        task = asyncio.current_task()
+        request = self._routing_now.pop(task, None) if task is not None else None
+        if request is None or request.future.done():
+            super()._fulfill_next_pending_request(replica, request_metadata)
+            return
+        self._record_queue_wait_time(request)
+        request.future.set_result(replica)
+        if self._pending_requests_by_id.get(request.metadata.internal_request_id) is request:
+            self._remove_pending_request_from_indices(request)  # the id's entry, when it is this call's
 
     def _load(self, replica: RunningReplica, report: RoutingReport | None) -> int:
         """Ongoing requests: Serve's own count (fresh from every reply), else the last report's."""
@@ -178,7 +199,7 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """The request went to ``replica_id``: count how it was chosen, and guess its blocks there."""
-        routing = self._tracked.pop(pending_request.metadata.internal_request_id, None)
+        routing = self._tracked.pop(pending_request.future, None)
         if routing is None:
             return
         rid = replica_id.unique_id

@@ -320,9 +320,10 @@ def test_router_prefers_the_reporting_replica_then_guesses_follow_routing():
         for r in (r1, r3):
             r.publish([])
         await replicas_known(router, [r1, r2, r3])
-        ranks = await router.choose_replicas(router._replicas_list, call([*tenant, 7, 8, 9], "a"))
+        a = call([*tenant, 7, 8, 9], "a")
+        ranks = await router.choose_replicas(router._replicas_list, a)
         assert preferred(ranks) == {"r2"} and len(ranks) == 2  # then power of two
-        router.on_request_routed(call([*tenant, 7, 8, 9], "a"), r2.replica_id, None)
+        router.on_request_routed(a, r2.replica_id, None)
         # A conversation's first turn, guessed on the less loaded of a pair but placed by Serve on
         # r3 (the other was full, say); its second turn follows it there before any report says
         # so (the guess, taken back from the first choice), and a report confirming it keeps it.
@@ -362,6 +363,31 @@ def test_requests_with_one_new_prefix_routed_together_go_to_one_replica():
             ranks = await router.choose_replicas(router._replicas_list, call([*system, i, i, i], f"q{i}"))
             targets |= preferred(ranks)
         assert len(targets) == 1
+
+    asyncio.run(main())
+
+
+def test_the_calls_of_one_ingress_request_share_serves_request_id_and_each_is_routed():
+    """A batch's prompts are separate `generate` calls with one internal request id; each gets a
+    replica (Serve's own matching by that id would route all but the first for ever), routed by
+    its own prompt."""
+    clock = Clock()
+    tenant = list(range(200, 240))
+
+    async def main():
+        router = make_router(clock)
+        r1, r2 = FakeReplica("r1"), FakeReplica("r2", queue_len=1)
+        r1.publish([])
+        r2.publish([tenant])
+        await replicas_known(router, [r1, r2])
+        calls = [call([*tenant, 5], "batch"), call(list(range(700, 740)), "batch"), call([*tenant, 6], "batch")]
+        placed = await asyncio.wait_for(
+            asyncio.gather(*(router._choose_replica_for_request(c) for c in calls)), timeout=30
+        )
+        assert [p.replica_id.unique_id for p in placed] == ["r2", "r1", "r2"]
+        for c, p in zip(calls, placed):
+            router.on_request_routed(c, p.replica_id, None)
+        assert router.stats.counts().routed == {("r2", "cache"): 2, ("r1", "load"): 1}
 
     asyncio.run(main())
 
@@ -417,8 +443,9 @@ def test_a_replica_that_dies_leaves_or_goes_silent_loses_its_index():
             if rid == "d":
                 r3.publish([tenant])  # and it is back
                 await replicas_known(router, [r3])
-            await router.choose_replicas(router._replicas_list, call(request, rid))
-            router.on_request_routed(call(request, rid), r3.replica_id, None)
+            routed = call(request, rid)
+            await router.choose_replicas(router._replicas_list, routed)
+            router.on_request_routed(routed, r3.replica_id, None)
         assert router.stats.counts().routed == {("r3", "load"): 1, ("r3", "cache"): 1}
 
     asyncio.run(main())

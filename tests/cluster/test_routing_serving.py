@@ -104,6 +104,9 @@ def test_second_turns_and_second_requests_are_served_from_cache_and_a_killed_rep
     rng = random.Random(16)
     complete(serving, tokens(rng, 20))  # the ingress's router starts with its first call
     wait_for(lambda: len(reported_replicas(serving)) == 2, "both replicas must report to the router")
+    # A batch: one `generate` call per prompt, all with the ingress request's id in Serve.
+    batch = post(base(serving), {"prompt": [tokens(rng, 40) for _ in range(4)], "max_tokens": 2, "n": 2})
+    assert batch.status_code == 200 and len(batch.json()["choices"]) == 8, batch.text[:300]
 
     # Conversations: each second turn follows its first at once (routed by the first's guess, or
     # by a report if one came in between).
