@@ -158,8 +158,7 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return [by_id[rid] for rid in routing.decision.preferred]
         loads = {c.replica: c.load for c in candidates}
         target = min(pair, key=lambda r: loads.get(r.replica_id.unique_id, 0))
-        routing.guessed = target.replica_id.unique_id
-        self._guess(routing, routing.guessed, now)
+        self._guess(routing, target.replica_id.unique_id, now, provisional=True)
         return [target]
 
     def _track(self, request: PendingRequest) -> _Routing | None:
@@ -205,15 +204,16 @@ class CacheAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         rid = replica_id.unique_id
         decision = routing.decision
         self.stats.routed(rid, "cache" if decision is not None and rid in decision.preferred else "load")
-        now = self._get_curr_time_s()
-        if routing.guessed is not None and routing.guessed != rid:  # that one was full: Serve went on
+        self._guess(routing, rid, self._get_curr_time_s())
+
+    def _guess(self, routing: _Routing, replica: str, now: float, *, provisional: bool = False) -> None:
+        """The request's blocks count as cached on ``replica`` (cluster.routing.index); a guess
+        made before Serve placed the request moves when it lands elsewhere (that one was full)."""
+        if routing.guessed not in (None, replica):
             report = self._index.report(routing.guessed, now)
             if report is not None:
                 self._index.unguess(routing.guessed, routing.full_blocks(report.block_size))
-        self._guess(routing, rid, now)
-
-    def _guess(self, routing: _Routing, replica: str, now: float) -> None:
-        """The request's blocks count as cached on ``replica`` (cluster.routing.index)."""
+        routing.guessed = replica if provisional else None
         report = self._index.report(replica, now)
         if report is not None:
             self._index.guess(replica, routing.full_blocks(report.block_size), now)

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from worker.async_engine import EngineDeadError, EngineStats
 from worker.config import EngineConfig
+from worker.kv import CachedBlocks
 from worker.outputs import CompletionOutput, RequestOutput
 from worker.sampling_params import SamplingParams
 
@@ -43,6 +44,9 @@ class FakeEngine:
 
     def healthy(self) -> bool:
         return type(self).alive
+
+    async def cached_blocks(self) -> CachedBlocks:
+        return CachedBlocks((), 0, 0)  # no KV cache
 
     async def generate(
         self,

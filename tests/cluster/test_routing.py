@@ -447,6 +447,10 @@ def test_a_replica_that_dies_leaves_or_goes_silent_loses_its_index():
             await router.choose_replicas(router._replicas_list, routed)
             router.on_request_routed(routed, r3.replica_id, None)
         assert router.stats.counts().routed == {("r3", "load"): 1, ("r3", "cache"): 1}
+        r4 = FakeReplica("r4")  # added: no report yet, so nothing is believed cached there
+        await replicas_known(router, [r3, r4])
+        ranks = await router.choose_replicas(router._replicas_list, call(request, "e"))
+        assert preferred(ranks) == {"r3"} and set(router.stats.counts().index) == {"r3"}
 
     asyncio.run(main())
 
