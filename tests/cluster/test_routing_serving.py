@@ -31,8 +31,7 @@ def serving(serve_ports, tiny_model_dir):
         APP,
         {"max_num_seqs": 8, "block_size": BLOCK},
         workers={"num_replicas": 2, "num_cpus": 1},
-        # Short guesses: the tenants' second requests (sent later) are routed by the reports alone.
-        routing={"policy": "cache_aware", "stats_period_s": 0.5, "guess_ttl_s": 2.0},
+        routing={"policy": "cache_aware", "stats_period_s": 0.5},
     )
 
 
@@ -82,9 +81,18 @@ def routed_by_cache(cfg) -> int:
     return int(sum(s.value for s in samples if s.labels["by"] == "cache" and s.name.endswith("_total")))
 
 
-def reported_replicas(cfg) -> set[str]:
+def index_blocks(cfg) -> dict[tuple[str, str], int]:
+    """(replica, reported | guessed) -> blocks in the ingress router's index."""
     samples = routing_metrics(cfg).get("logitpool_routing_index_blocks", [])
-    return {s.labels["replica"] for s in samples if s.labels["source"] == "reported"}
+    return {(s.labels["replica"], s.labels["source"]): int(s.value) for s in samples}
+
+
+def reported_replicas(cfg) -> set[str]:
+    return {replica for replica, source in index_blocks(cfg) if source == "reported"}
+
+
+def guessed_blocks(cfg) -> int:
+    return sum(n for (_, source), n in index_blocks(cfg).items() if source == "guessed")
 
 
 def wait_for(cond, what: str, timeout_s: float = 90) -> None:
@@ -109,7 +117,7 @@ def test_second_turns_and_second_requests_are_served_from_cache_and_a_killed_rep
     assert batch.status_code == 200 and len(batch.json()["choices"]) == 8, batch.text[:300]
 
     # Conversations: each second turn follows its first at once (routed by the first's guess, or
-    # by a report if one came in between).
+    # by a report if one came in between: it confirms the guess).
     start_hits, start_cache = hit_tokens(), routed_by_cache(serving)
     expected = 0
     for _ in range(6):
@@ -120,11 +128,12 @@ def test_second_turns_and_second_requests_are_served_from_cache_and_a_killed_rep
     conversation_hits = hit_tokens() - start_hits
     assert conversation_hits >= expected, (conversation_hits, expected)
 
-    # Tenants: a second request after the first one's guess expired finds the replica's report.
+    # Tenants: a second request sent once the replicas' reports hold every first request's
+    # blocks (a report holding a guessed block takes the guess back) finds them by the reports.
     prompts = [tokens(rng, 300) for _ in range(6)]
     for system in prompts:
         complete(serving, system + tokens(rng, 20))
-    time.sleep(3.0)  # > guess_ttl_s: nothing but the reports says where the prompts are
+    wait_for(lambda: guessed_blocks(serving) == 0, "the reports must confirm every guess")
     before = hit_tokens()
     for system in prompts:
         complete(serving, system + tokens(rng, 20))
