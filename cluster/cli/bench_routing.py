@@ -329,7 +329,7 @@ async def amain(args: argparse.Namespace) -> None:
     print("\n".join(table(rows)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="logitpool bench routing", description="cache-aware routing vs the baselines")
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
