@@ -37,7 +37,7 @@ bench: venv
 protos: venv
 	$(BIN)/python protos/generate.py
 
-# The Helm values schema, generated from the config model (tests/cluster/test_helm_schema.py checks it).
+# The Helm values schema, generated from the config model (tests/cluster_rayfree/test_helm_schema.py checks it).
 helm-schema: venv
 	$(BIN)/python -m cluster.deploy.helm_schema
 

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 
 from client import Client, InvalidArgument
 from tests.cluster.serving_helpers import deployed, error_of, post
-from tests.cluster.test_limits import deep_request_bytes
+from tests.cluster_rayfree.test_limits import deep_request_bytes
 from tests.conftest import TEST_READ_TIMEOUT_S
 
 pytestmark = pytest.mark.ray

@@ -27,7 +27,7 @@ from cluster.openai.routes import build_api
 from cluster.pool_stats import PoolSnapshot
 from cluster.rpc.service import GrpcAdapter
 from cluster.worker_deployment import WorkerDeployment
-from tests.cluster.fake_engine import FakeEngine, fake_token
+from tests.cluster_rayfree.fake_engine import FakeEngine, fake_token
 
 KEY = "sk-local"
 
