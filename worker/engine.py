@@ -442,9 +442,7 @@ class LLMEngine:
         tokens = out.sampled_token_ids.tolist()
         errors = out.errors.tolist()
         lp = out.logprobs
-        lp_ids = lp.token_ids.tolist() if lp is not None else None
-        lp_vals = lp.logprobs.tolist() if lp is not None else None
-        lp_ranks = lp.ranks.tolist() if lp is not None else None
+        lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) if lp is not None else None
         for row, chunk in enumerate(rows):
             req = chunk.request
             if errors[row]:
@@ -454,7 +452,8 @@ class LLMEngine:
                 tok = tokens[row]
                 req.output_token_ids.append(tok)
                 req.new_token_ids.append(tok)
-                if req.logprobs is not None and lp_ids is not None:
+                if req.logprobs is not None and lp_lists is not None:
+                    lp_ids, lp_vals, lp_ranks = lp_lists
                     position = self._position_logprobs(
                         req.params.logprobs or 0, lp_ids[row], lp_vals[row], lp_ranks[row]
                     )
@@ -492,10 +491,12 @@ class LLMEngine:
         elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, FinishReason.LENGTH)
 
-    def _finish(self, req: Request, reason: FinishReason, **kw: object) -> None:
+    def _finish(
+        self, req: Request, reason: FinishReason, *, stop_reason: str | int | None = None, error: str | None = None
+    ) -> None:
         if req.finished:
             return
-        req.finish(reason, **kw)  # type: ignore[arg-type]
+        req.finish(reason, stop_reason=stop_reason, error=error)
         self.finish_counts[str(reason)] += 1
         self.scheduler.finish(req)
         self._parents[req.parent_id].dirty.add(req.index)

@@ -1,4 +1,5 @@
-"""The batched sampler (docs/sampling.md "The nine steps"): one token per row of ``(logits, metadata)``; the order is the contract.
+"""The batched sampler (docs/sampling.md "The nine steps"): one token per row of
+``(logits, metadata)``; the order is the contract.
 
 1 keep raw logprobs / logits for rows that ask (before anything writes the logits)
 2 float32
@@ -49,11 +50,15 @@ _NEG_INF = float("-inf")
 
 
 class ProcessorSet(Protocol):
-    """What the sampler needs of the loaded processors (``registry.LogitsProcessors``)."""
+    """What the sampler needs of the loaded processors (``registry.LogitsProcessors``); read-only
+    properties, so that a set holding lists (or a penalties subclass) conforms."""
 
-    non_argmax_invariant: Sequence[LogitsProcessor]
-    argmax_invariant: Sequence[LogitsProcessor]
-    penalties: LogitsProcessor
+    @property
+    def non_argmax_invariant(self) -> Sequence[LogitsProcessor]: ...
+    @property
+    def argmax_invariant(self) -> Sequence[LogitsProcessor]: ...
+    @property
+    def penalties(self) -> LogitsProcessor: ...
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,7 @@ class Sampler:
         raw = self._keep_raw(x, plan, ws, host)  # 1 (reads the float32 logits before any write)
         x = self._before_sampling(x, metadata)  # 3-6
         # Block maxima: the non-finite check reads them, and greedy rows reuse them for argmax.
-        bmax = block_reduce(x, block_size(x.shape[1]), "amax")
+        bmax: torch.Tensor | None = block_reduce(x, block_size(x.shape[1]), "amax")
         nan_rows = resolve_non_finite_(x, bmax)
         if nan_rows is not None:
             bmax = None  # rows were rewritten
@@ -243,6 +248,7 @@ class Sampler:
         return x
 
     def _temperature_and_invariant(self, x: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
+        assert plan.divisor is not None  # None only when every row is greedy, and then 7 ends here
         x.div_(plan.divisor)  # 7a
         for p in self.processors.argmax_invariant:  # 7b
             x = _apply(p, x)
@@ -298,6 +304,7 @@ class Sampler:
                 note(f"logits processor {type(p).__name__}")
             if not plan.all_greedy:
                 resolve_non_finite_(y)
+                assert plan.divisor is not None  # a plan with random rows has one
                 y.div_(plan.divisor)
                 for p in self.processors.argmax_invariant:
                     y = _apply(p, y)

@@ -177,8 +177,8 @@ class CompletionRequest(_SamplingFields):
             p = [p]
         # An empty list or prompt is the front end's 400 (cluster.frontend.check_prompts).
         if p and all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]  # type: ignore[arg-type]  # all ints: the list[int] member (all() does not narrow)
+        return list(p)  # type: ignore[arg-type]  # list[str] or list[list[int]], each item a prompt
 
 
 class ChatMessage(BaseModel):
@@ -287,7 +287,7 @@ def echoed(c: CompletionOutput, e: Echo) -> CompletionOutput:
     lps = None if c.logprobs is None else list(e.logprobs or [None] * len(e.token_ids))
     if e.only:
         finish = "length" if c.finish_reason is not None and c.finish_reason != "error" else c.finish_reason
-        return CompletionOutput(c.index, e.text, list(e.token_ids), None, lps, finish, None, c.error)  # type: ignore[arg-type]
+        return CompletionOutput(c.index, e.text, list(e.token_ids), None, lps, finish, None, c.error)  # type: ignore[arg-type]  # lps[0] is None: the prompt's first token has no logprob
     if lps is not None and c.logprobs is not None:
         lps.extend(c.logprobs)
     return CompletionOutput(
@@ -295,7 +295,7 @@ def echoed(c: CompletionOutput, e: Echo) -> CompletionOutput:
         e.text + c.text,
         [*e.token_ids, *c.token_ids],
         c.cumulative_logprob,
-        lps,  # type: ignore[arg-type]
+        lps,  # type: ignore[arg-type]  # the prompt's position 0 has no logprob: None (completion_logprobs reads it)
         c.finish_reason,
         c.stop_reason,
         c.error,

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -51,7 +52,7 @@ def build_api(http: HttpAdapter) -> FastAPI:
     async def _unexpected_error(request: Request, exc: Exception) -> Response:
         return status_response(classify(exc))
 
-    api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]
+    api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     return api
 
 
@@ -78,7 +79,10 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
     if api.openapi_schema:
         return api.openapi_schema
     schema = get_openapi(title=api.title, version="1.0.0", description=api.description, routes=api.routes)
-    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    bodies: dict[str, type[BaseModel]] = {
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+    }
     _, defs = models_json_schema(
         [(m, "validation") for m in bodies.values()], ref_template="#/components/schemas/{model}"
     )

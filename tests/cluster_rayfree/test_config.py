@@ -111,9 +111,9 @@ def test_bad_values_fail_naming_the_field(data: dict[str, Any], fragment: str) -
 def test_config_is_frozen() -> None:
     cfg = LogitpoolConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.engine.max_num_seqs = 1  # type: ignore[misc]
+        cfg.engine.max_num_seqs = 1  # type: ignore[misc]  # assigning a frozen field is the test
     with pytest.raises(ValueError):
-        cfg.app_name = "other"  # type: ignore[misc]
+        cfg.app_name = "other"  # type: ignore[misc]  # assigning a frozen field is the test
 
 
 def test_defaults() -> None:

@@ -86,7 +86,7 @@ def test_named_tool_constrains_to_its_parameters_and_answers_with_tool_calls() -
     req = ChatCompletionRequest.model_validate(
         {"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get"}}}
     )
-    assert req.sampling_params().structured_outputs.json == SCHEMA  # type: ignore[union-attr]
+    assert req.sampling_params().structured_outputs.json == SCHEMA  # type: ignore[union-attr]  # set: the request names a tool
     out = RequestOutput("r", None, [1], [CompletionOutput(0, '{"a": 3}', [5], None, None, finish_reason="stop")], True)
     choice = chat_response("id", "m", out, str, 0, tool=req.forced_tool)["choices"][0]
     call = choice["message"]["tool_calls"][0]
@@ -97,7 +97,7 @@ def test_named_tool_constrains_to_its_parameters_and_answers_with_tool_calls() -
 def test_required_tool_picks_one_of_the_tools() -> None:
     req = ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS, "tool_choice": "required"})
     so = req.sampling_params().structured_outputs
-    assert [b["properties"]["name"]["const"] for b in so.json["anyOf"]] == ["get", "put"]  # type: ignore[union-attr]
+    assert [b["properties"]["name"]["const"] for b in so.json["anyOf"]] == ["get", "put"]  # type: ignore[union-attr]  # set: tool_choice is "required"
     text = '{"name": "put", "arguments": {}}'
     out = RequestOutput("r", None, [1], [CompletionOutput(0, text, [5], None, None, finish_reason="stop")], True)
     choice = chat_response("id", "m", out, str, 0, tool=req.forced_tool)["choices"][0]

@@ -134,7 +134,7 @@ def test_priority_is_refused_under_fcfs_and_must_be_an_integer(tiny_model):
         engine.add_request("p", [5, 6], SMALL, Scheduling(priority=1))
     engine.add_request("p0", [5, 6], SMALL, Scheduling(priority=0))
     with pytest.raises(ValueError, match="priority"):
-        make_engine(tiny_model, rows=2).add_request("q", [5, 6], SMALL, Scheduling(priority=1.5))  # type: ignore[arg-type]
+        make_engine(tiny_model, rows=2).add_request("q", [5, 6], SMALL, Scheduling(priority=1.5))  # type: ignore[arg-type]  # a float priority is the test
 
 
 def test_through_the_worker_replica_a_small_request_starts_within_a_few_steps(tiny_model):

@@ -64,7 +64,7 @@ def eventually(probe: Callable[[], T | None], what: str) -> T:
 
 
 def compiler(pool: GrammarPool, **kw: float) -> StructuredCompiler:
-    return StructuredCompiler.from_vocab(VOCAB, [EOS], pool=pool, **kw)  # type: ignore[arg-type]
+    return StructuredCompiler.from_vocab(VOCAB, [EOS], pool=pool, **kw)  # type: ignore[arg-type]  # kw: the compiler's own numeric options
 
 
 def in_thread(fn: Callable[[], object], out: list[object]) -> threading.Thread:
@@ -92,7 +92,7 @@ def pools() -> list[GrammarPool]:
 
 
 def new_pool(pools: list[GrammarPool], **kw: float) -> GrammarPool:
-    pool = GrammarPool(PoolConfig(**kw))  # type: ignore[arg-type]
+    pool = GrammarPool(PoolConfig(**kw))  # type: ignore[arg-type]  # kw: PoolConfig's own numeric fields
     pools.append(pool)
     return pool
 
@@ -197,8 +197,8 @@ def test_oversize_constraints_are_rejected_before_compiling(pools: list[GrammarP
 
 
 def test_the_ingress_bounds_constraints_by_limits() -> None:
-    params = SamplingParams(structured_outputs={"json": {"enum": ["x" * 100]}})  # type: ignore[arg-type]
-    size = len(params.structured_outputs.spec)  # type: ignore[union-attr]
+    params = SamplingParams(structured_outputs={"json": {"enum": ["x" * 100]}})  # type: ignore[arg-type]  # a dict, as a request gives it (validated into the params)
+    size = len(params.structured_outputs.spec)  # type: ignore[union-attr]  # set on the line above
     with pytest.raises(
         ValueError, match=rf"^structured_outputs.json: {size} bytes exceeds limits.max_constraint_bytes \(64\)"
     ):

@@ -23,7 +23,7 @@ def num_blocks(vocab_size: int, bs: int) -> int:
 
 def block_reduce(x: torch.Tensor, bs: int, op: str) -> torch.Tensor:
     """[n, V] -> [n, ceil(V / bs)]: ``op`` ("amax" or "sum") over each block of the row."""
-    n, v = x.shape
+    _, v = x.shape
     full = v // bs
     parts = []
     if full:

@@ -78,7 +78,7 @@ def draw_rows(
 
     ``block_sums`` ([n, nb], as ``row_block_sums`` returns) may be passed when already computed.
     """
-    n, v = probs.shape
+    _, v = probs.shape
     bs = block_size(v)
     if block_sums is None:
         block_sums = row_block_sums(probs)

@@ -1,4 +1,5 @@
-"""The non-finite rules (docs/sampling.md "Non-finite values") on a batch of processed logits, cheap when every row is finite.
+"""The non-finite rules (docs/sampling.md "Non-finite values") on a batch of processed logits,
+cheap when every row is finite.
 
 ``+inf`` is a legal way to force a token (vLLM's examples do it): the limit of softmax puts all
 the mass on the ``+inf`` tokens, uniformly. NaN is never a distribution: the row fails.
@@ -13,7 +14,8 @@ _POS_INF = float("inf")
 
 
 def resolve_non_finite_(x: torch.Tensor, bmax: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The non-finite rules (docs/sampling.md "Non-finite values"), in place on the rows that need them; [B] bool NaN rows or None.
+    """The non-finite rules (docs/sampling.md "Non-finite values"), in place on the rows that need
+    them; [B] bool NaN rows or None.
 
     A row holding ``+inf`` becomes 0 at its ``+inf`` tokens and -inf elsewhere (the limit of
     softmax: greedy takes the lowest such id, a draw is uniform among them). A row holding NaN

@@ -85,7 +85,6 @@ def build_plan(md: SamplingMetadata, vocab_size: int, device: torch.device) -> S
     asking = [i for i in range(b) if nl[i] >= 0]
     raw = [i for i in asking if modes[i] in RAW_MODES]
     processed = [i for i in asking if modes[i] not in RAW_MODES]
-    f64 = dict(dtype=torch.float64, device=device)
     return SamplingPlan(
         batch_size=b,
         vocab_size=vocab_size,
@@ -93,10 +92,10 @@ def build_plan(md: SamplingMetadata, vocab_size: int, device: torch.device) -> S
         topk=_group(topk_rows, device),
         topk_k=torch.tensor([top_k[i] for i in topk_rows], dtype=torch.int64, device=device),
         topk_kmax=max((top_k[i] for i in topk_rows), default=0),
-        topk_p=torch.tensor([top_p[i] for i in topk_rows], **f64),
+        topk_p=torch.tensor([top_p[i] for i in topk_rows], dtype=torch.float64, device=device),
         full=_group(full_rows, device),
         n_top_p=n_top_p,
-        top_p=torch.tensor([top_p[i] for i in full_rows[:n_top_p]], **f64),
+        top_p=torch.tensor([top_p[i] for i in full_rows[:n_top_p]], dtype=torch.float64, device=device),
         divisor=divisor,
         generators=md.generators,
         num_logprobs=md.max_num_logprobs if asking else None,

@@ -21,7 +21,7 @@ def row_argmax(x: torch.Tensor, bmax: torch.Tensor | None = None) -> tuple[torch
 
     ``bmax`` may pass ``block_reduce(x, block_size(V), "amax")`` when the caller already has it.
     """
-    n, v = x.shape
+    _, v = x.shape
     bs = block_size(v)
     if bmax is None:
         bmax = block_reduce(x, bs, "amax")
@@ -38,7 +38,7 @@ def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None) -
     blocks holding any of the top-m values have block max >= the m-th value, and the m blocks
     with the largest maxima contain m values >= it, so the top-m blocks hold the top-m values.
     """
-    n, v = x.shape
+    _, v = x.shape
     m = min(k + 1, v)
     bs = block_size(v)
     if 4 * m * bs > v:  # few blocks: a plain topk is as cheap
@@ -70,7 +70,7 @@ def topk_lowest_ids(x: torch.Tensor, kth: torch.Tensor, k: int) -> tuple[torch.T
     Ranks every column by (class, -id) with class 2 above ``kth``, 1 equal, 0 below; the scores
     are distinct integers, so ``topk`` has no ties left to break.
     """
-    a, v = x.shape
+    _, v = x.shape
     t = kth[:, None]
     cls = (x > t).to(torch.int64) * 2 + (x == t).to(torch.int64)
     score = cls * (v + 1) + (v - torch.arange(v, device=x.device))
