@@ -18,7 +18,6 @@ flag to skip them would be settable by that same caller, so there is none.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import os
@@ -37,8 +36,6 @@ from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
-# How many received request ids a replica remembers (for operators and tests).
-_SEEN_IDS = 10_000
 # Streams per stream interval a replica sends before it stretches the interval (see _interval):
 # every message costs CPU in this process, the ingress and the proxy, taken from the engine's
 # step on a small box (README, "Served path vs vLLM's server").
@@ -98,7 +95,6 @@ class LogitpoolWorker:
         check_gpu(allow_cpu, self.config.device)
         self.stream_interval_s = stream_interval_s
         self.engine: ServedEngine = engine_factory(self.config)
-        self._seen: collections.deque[str] = collections.deque(maxlen=_SEEN_IDS)
         self._num_requests = 0
         self._publisher: asyncio.Task[None] | None = None
         self._leaving = False
@@ -120,7 +116,6 @@ class LogitpoolWorker:
         request pauses); Serve takes every item at once and buffers it in the caller.
         """
         self._leave_if_dead()
-        self._seen.append(request_id)
         self._num_requests += 1
         window = OutputAccumulator()  # the deltas not sent yet, merged
         last_sent = float("-inf")
@@ -136,10 +131,6 @@ class LogitpoolWorker:
         """The stream interval, stretched once more than _STREAMS_PER_INTERVAL streams run, so a
         replica sends at most ~_STREAMS_PER_INTERVAL / stream_interval_s messages a second."""
         return self.stream_interval_s * max(1.0, self.engine.num_running / _STREAMS_PER_INTERVAL)
-
-    def received(self) -> list[str]:
-        """Request ids this replica was asked to run (most recent last)."""
-        return list(self._seen)
 
     def info(self) -> dict[str, Any]:
         ctx = serve.get_replica_context()

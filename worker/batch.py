@@ -149,9 +149,6 @@ class PersistentBatch:
     def params_of(self, row: int) -> SamplingParams:
         return self._row(row).params
 
-    def prompt_ids_of(self, row: int) -> list[int] | None:
-        return self._row(row).prompt_ids
-
     def output_ids_of(self, row: int) -> list[int]:
         return self._row(row).output_ids
 

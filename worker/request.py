@@ -91,10 +91,6 @@ class Request:
         return self.finish_reason is not None
 
     @property
-    def prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.prompt_len
-
-    @property
     def num_pending_tokens(self) -> int:
         """Tokens whose KV is not written yet (1 while decoding; all of them after a preemption)."""
         return self.num_tokens - self.num_computed_tokens

@@ -88,10 +88,6 @@ class Scheduler:
         request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.waiting.append(request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.paused)
-
     def has_work(self) -> bool:
         """Something to schedule (paused sequences alone are not: a step would do nothing)."""
         return bool(self.waiting or self.running or self._resumed or self._leaving)

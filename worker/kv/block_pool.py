@@ -46,9 +46,6 @@ class BlockPool:
     def lookup(self, address: BlockHash) -> int | None:
         return self._cached.get(address)
 
-    def address_of(self, block: int) -> BlockHash | None:
-        return self._hash_of.get(block)
-
     # -- changing ----------------------------------------------------------------------
 
     def allocate(self, n: int) -> list[int]:
@@ -99,8 +96,3 @@ class BlockPool:
         self._cached[address] = block
         self._hash_of[block] = address
         return True
-
-    def reset_cache(self) -> None:
-        """Forget every cached prefix (blocks keep their references)."""
-        self._cached.clear()
-        self._hash_of.clear()
