@@ -16,16 +16,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[serve,client,dev]"
 	touch $(STAMP)
 
-# ruff (lint, then format) and mypy, all configured in pyproject.toml. mypy keeps .mypy_cache:
-# a cold run reads torch and ray (about 35 s of CPU), a warm one a few seconds.
+# ruff (lint, then format) and mypy, all configured in pyproject.toml. mypy keeps .mypy_cache
+# (git-ignored): a cold run, as in CI, reads torch and ray (about 30 s of CPU), a warm one a few seconds.
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# `make lint` first, so a lint or type error fails `make test` (and .ci/run) before any test runs.
 # The suite's own Ray clusters run without token auth (tests/conftest.py says why).
-# `make lint` (ruff + mypy) is not yet run by `make test`: the tree is not clean yet (issue 19).
-test: venv
+test: venv lint
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q
 
 serve: venv
