@@ -74,6 +74,11 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # every running sequence decodes a token per step
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}) so every decode row fits, "
+                f"got {self.max_num_batched_tokens}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if self.block_size < 1:

@@ -294,3 +294,10 @@ def test_main_writes_the_file_for_a_config(tmp_path: Path) -> None:
     assert data == serve_config(LogitpoolConfig.from_yaml(src))
     assert data["http_options"]["host"] == "0.0.0.0"
     assert data["applications"][0]["args"]["engine"]["model"] == "gpt2"
+
+
+def test_the_engine_config_itself_fits_every_running_row_in_a_step() -> None:
+    """The rule lives in worker.config.EngineConfig; the config file and the engine inherit it."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens: must be >= max_num_seqs"):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    assert EngineConfig(max_num_seqs=64, max_num_batched_tokens=64).max_num_batched_tokens == 64
