@@ -36,6 +36,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from cluster.limits import Limits
+from worker.config import DTYPES
 from worker.config import EngineConfig as WorkerEngineConfig
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -64,7 +65,6 @@ class _Frozen(BaseModel):
 # The worker's own engine config (a frozen dataclass, defaults stated there), embedded as-is; a
 # config file sees its fields under `engine:`. These are the config file's extra rules on top of
 # the dataclass's own checks, also published in the Helm values schema (cluster.deploy.helm_schema).
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerEngineConfig))
 ENGINE_JSON_SCHEMA: dict[str, dict[str, Any]] = {
     "dtype": {"enum": list(DTYPES)},

@@ -15,6 +15,20 @@ from worker.sampling_params import DEFAULT_MAX_LOGPROBS
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 
+# The dtype names the engine takes, each to its torch dtype's name (worker.model.loader); with
+# "auto" (the checkpoint's own), what a config file accepts too (cluster.config): one table.
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+DTYPES: tuple[str, ...] = ("auto", *DTYPE_NAMES)
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -28,7 +28,7 @@ from cluster.deploy.serve_config import (
     render_yaml,
     serve_config,
 )
-from worker.config import EngineConfig
+from worker.config import DTYPE_NAMES, DTYPES, EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -294,6 +294,19 @@ def test_main_writes_the_file_for_a_config(tmp_path: Path) -> None:
     assert data == serve_config(LogitpoolConfig.from_yaml(src))
     assert data["http_options"]["host"] == "0.0.0.0"
     assert data["applications"][0]["args"]["engine"]["model"] == "gpt2"
+
+
+def test_a_config_file_takes_every_dtype_name_the_engine_does() -> None:
+    """One table (worker.config.DTYPE_NAMES): `fp16` and the other short names work in a file too."""
+    import torch
+
+    from worker.model.loader import _resolve_dtype
+
+    for name, canonical in DTYPE_NAMES.items():
+        assert LogitpoolConfig.model_validate({"engine": {"dtype": name}}).engine.dtype == name
+        assert _resolve_dtype(name) == getattr(torch, canonical)
+    assert _resolve_dtype("fp16") == torch.float16
+    assert set(DTYPES) == {"auto", *DTYPE_NAMES}
 
 
 def test_the_engine_config_itself_fits_every_running_row_in_a_step() -> None:

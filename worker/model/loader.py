@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.config import DTYPE_NAMES
+
 if TYPE_CHECKING:  # transformers loads lazily, in the functions that need it
     from transformers import (
         GenerationConfig,
@@ -74,18 +76,6 @@ def default_model_path() -> Path:
 # --------------------------------------------------------------------------- loading
 
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
 def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     if dtype is None:
         return torch.float32
@@ -94,9 +84,9 @@ def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     if dtype == "auto":
         return "auto"
     try:
-        return _DTYPES[dtype]
+        return getattr(torch, DTYPE_NAMES[dtype])  # worker.config's table: names of torch dtypes
     except KeyError:
-        raise ValueError(f"dtype {dtype!r} is not one of 'auto', {sorted(_DTYPES)}") from None
+        raise ValueError(f"dtype {dtype!r} is not one of 'auto', {sorted(DTYPE_NAMES)}") from None
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
