@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--token-budget", type=int, default=2048)
+    p.add_argument("--token-budget", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hf-single-max", type=int, default=64, help="cap on one-at-a-time requests timed")
     p.add_argument("--soak", type=int, default=0, help="also run this many requests with churn (e.g. 1000)")

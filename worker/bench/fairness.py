@@ -76,7 +76,7 @@ async def measure(
     engine = AsyncEngine(
         EngineConfig(
             max_num_seqs=rows,
-            max_num_batched_tokens=max(2048, rows),
+            max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, rows),
             load_entry_points=False,
             scheduling_policy=policy,
         ),
