@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -240,6 +241,9 @@ def test_workers_die_with_their_parent_even_mid_compile() -> None:
     parent = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE, env=env, cwd=REPO)
     try:
         assert parent.stdout is not None
+        # Bounded: a pool whose manager never starts a worker must fail this test, not hang it.
+        ready, _, _ = select.select([parent.stdout], [], [], WAIT_S)
+        assert ready, f"the orphaning parent printed no worker pids within {WAIT_S}s"
         pids = json.loads(parent.stdout.readline())
         assert pids and all(alive(p) for p in pids)
     finally:
