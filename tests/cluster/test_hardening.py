@@ -6,6 +6,7 @@ replica unhealthy and Serve replaces it. Tests run in file order: the engine-dea
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -192,9 +193,10 @@ def test_metrics_cover_the_whole_pool(base):
         'logitpool_sequences_finished_total{reason="length"}',
         "logitpool_engine_restarts_total",
         'stat="bytes"',
-        'logitpool_requests_rejected_total{protocol="http",status="400"}',
     ):
         assert name in text, name
+    # Every ingress replica's series, labelled with its replica (cluster.metrics.shared).
+    assert re.search(r'logitpool_requests_rejected_total\{ingress="[^"]+",protocol="http",status="400"\}', text)
 
 
 @pytest.mark.slow
