@@ -45,14 +45,14 @@ class LogitpoolIngress:
     def __init__(self, worker: Any, config: dict[str, Any]) -> None:
         bind_replica_grpc_to_node_ip()
         cfg = LogitpoolConfig.model_validate(config)
-        self.app_name, self.replica_id = _replica(cfg)
-        app_name = self.app_name
+        app_name, replica_id = _replica(cfg)
+        self.app_name, self.replica_id = app_name, replica_id
         self.frontend = Frontend(
             cfg,
             worker,
             pool=lambda: pool_stats.collect(app_name),
             peers=lambda: pool_stats.collect_published(app_name, shared.KIND, shared.IngressSnapshot.from_json),
-            replica_id=self.replica_id,
+            replica_id=replica_id,
         )
         self.http = HttpAdapter(self.frontend)
         self.grpc = GrpcAdapter(self.frontend)
@@ -62,11 +62,11 @@ class LogitpoolIngress:
         """Serve calls this every few seconds: it keeps this replica's metrics publisher running
         (cluster.metrics.shared), as the worker replicas' check_health keeps theirs."""
         if self._publisher is None or self._publisher.done():
-            self._publisher = asyncio.create_task(
-                pool_stats.publish_forever(
-                    self.app_name, self.replica_id, self.frontend.metrics.snapshot, shared.KIND, "ingress metrics"
-                )
-            )
+            self._publisher = asyncio.create_task(pool_stats.publish_forever(self._publish))
+
+    async def _publish(self) -> None:
+        snapshot = self.frontend.metrics.snapshot
+        await pool_stats.publish_logged(self.app_name, self.replica_id, snapshot, shared.KIND, "ingress metrics")
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self.http)

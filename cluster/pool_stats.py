@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
@@ -132,12 +132,11 @@ async def publish_logged(
         logger.warning("publishing %s failed: %r", what, exc)
 
 
-async def publish_forever(
-    app: str, replica_id: str, snapshot: Callable[[], Published], kind: str = POOL, what: str = "engine stats"
-) -> None:
-    """A replica's publisher task: a snapshot every PUBLISH_INTERVAL_S (started by its check_health)."""
+async def publish_forever(publish_once: Callable[[], Awaitable[None]]) -> None:
+    """A replica's publisher task (started by its check_health): ``publish_once`` (a
+    `publish_logged`, which never raises) every PUBLISH_INTERVAL_S."""
     while True:
-        await publish_logged(app, replica_id, snapshot, kind, what)
+        await publish_once()
         await asyncio.sleep(PUBLISH_INTERVAL_S)
 
 

@@ -166,10 +166,7 @@ class LogitpoolWorker:
         """Serve calls this every few seconds (serve_config.HEALTH_CHECK_PERIOD_S): unhealthy as soon
         as the engine loop is dead or stalled, so Serve replaces the replica within seconds."""
         if self._publisher is None or self._publisher.done():
-            ctx = serve.get_replica_context()
-            self._publisher = asyncio.create_task(
-                pool_stats.publish_forever(ctx.app_name, ctx.replica_id.unique_id, self.stats)
-            )
+            self._publisher = asyncio.create_task(pool_stats.publish_forever(lambda: self._publish("engine stats")))
         self._leave_if_dead()
         if not self.engine.healthy():  # stalled: Serve replaces the replica after a few failed checks
             raise RuntimeError(f"engine loop not healthy: {self.engine.dead!r}")

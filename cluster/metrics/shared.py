@@ -7,7 +7,10 @@ registry as an `IngressSnapshot` (the samples, JSON) to the KV store every
 `pool_stats.PUBLISH_INTERVAL_S` (cluster.ingress), and /metrics renders the fresh snapshots of all
 of them, each series labelled with its replica (`ingress`). Every scrape then returns every
 replica's series, each only ever growing, and Prometheus sums them: `sum by (le) (rate(..._bucket[5m]))`.
-A replica that is gone stops publishing; its series end (a counter's history keeps its rate).
+Each replica's series are served as last published (at most PUBLISH_INTERVAL_S behind), its own
+too: were a replica to serve its own live counts, the next scrape, answered by another replica
+from the store, could show them lower. A replica that is gone stops publishing; its series end
+(a counter's history keeps its rate).
 """
 
 from __future__ import annotations

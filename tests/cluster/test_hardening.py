@@ -179,11 +179,13 @@ def test_grpc_health_per_service(channel, client):
 def test_metrics_cover_the_whole_pool(base):
     post(base, {"prompt": "x", "max_tokens": 2})
     post(base, {"prompt": "x", "n": 2000})
+    # Every ingress replica's series as last published (cluster.metrics.shared), labelled with it.
+    rejected = re.compile(r'logitpool_requests_rejected_total\{ingress="[^"]+",protocol="http",status="400"\}')
     deadline = time.monotonic() + 10
     text = ""
     while time.monotonic() < deadline:
         text = httpx.get(base + "/metrics").text
-        if 'logitpool_sequences_finished_total{reason="length"}' in text:
+        if 'logitpool_sequences_finished_total{reason="length"}' in text and rejected.search(text):
             break
         time.sleep(0.5)
     for name in (
@@ -195,8 +197,7 @@ def test_metrics_cover_the_whole_pool(base):
         'stat="bytes"',
     ):
         assert name in text, name
-    # Every ingress replica's series, labelled with its replica (cluster.metrics.shared).
-    assert re.search(r'logitpool_requests_rejected_total\{ingress="[^"]+",protocol="http",status="400"\}', text)
+    assert rejected.search(text)
 
 
 @pytest.mark.slow
