@@ -14,7 +14,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -177,6 +177,14 @@ class ServerConfig(_Frozen):
         return self
 
 
+class MetricsConfig(_Frozen):
+    """What /metrics serves (cluster.metrics; the table in docs/metrics.md)."""
+
+    names: Literal["logitpool", "vllm", "both"] = "both"
+    """The request histograms and counters under logitpool's names, vLLM's (`vllm:...`, its
+    labels and buckets, so vLLM dashboards and autoscaling rules work unchanged), or both."""
+
+
 class LogitpoolConfig(_Frozen):
     """The whole deployment. Build it with `model_validate`, `from_yaml` or `with_overrides`."""
 
@@ -186,6 +194,7 @@ class LogitpoolConfig(_Frozen):
     server: ServerConfig = Field(default_factory=ServerConfig)
     limits: Limits = Field(default_factory=Limits)
     """Request size/time bounds enforced at the ingress; defaults in cluster.limits.Limits."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     api_keys: tuple[SecretStr, ...] = ()
     """Accepted bearer keys for in-process use; never written to a Serve config or YAML dump."""
     api_key_env: str = "LOGITPOOL_API_KEY"

@@ -10,11 +10,12 @@ request never reaches a worker, and the worker receives token ids (see cluster.w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -23,12 +24,13 @@ from transformers import AutoTokenizer
 
 from cluster import limits as request_limits
 from cluster import pool_stats, prompt_bound
+from cluster import request_id as request_ids
 from cluster.auth import ApiKeys, bearer_token
 from cluster.chat import Turn, fit_to_context, render_chat
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
 from cluster.limits import ONCE, ResponseShape
-from cluster.metrics import Metrics
+from cluster.metrics import LOCAL_REPLICA, IngressSnapshot, Metrics
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.model.loader import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput
@@ -47,6 +49,8 @@ REPLICA_RETRY_BACKOFF_S = 0.2
 
 # Every worker replica's engine stats (cluster.pool_stats snapshots); [] when none is known.
 PoolReader = Callable[[], Awaitable[list[pool_stats.PoolSnapshot]]]
+# Every ingress replica's published metrics (cluster.metrics.shared); [] when none is known.
+PeerReader = Callable[[], Awaitable[list[IngressSnapshot]]]
 
 
 def check_prompts(prompts: list[str | list[int]]) -> None:
@@ -66,9 +70,17 @@ T = TypeVar("T")
 
 class Frontend:
     """One per ingress replica; `worker` is the worker deployment's handle (a DeploymentHandle,
-    real or from Serve's local testing mode), `pool` reads the worker replicas' stats."""
+    real or from Serve's local testing mode), `pool` reads the worker replicas' stats, `peers`
+    the ingress replicas' metrics (None: this replica's alone), `replica_id` names this one."""
 
-    def __init__(self, cfg: LogitpoolConfig, worker: Any, pool: PoolReader) -> None:
+    def __init__(
+        self,
+        cfg: LogitpoolConfig,
+        worker: Any,
+        pool: PoolReader,
+        peers: PeerReader | None = None,
+        replica_id: str = LOCAL_REPLICA,
+    ) -> None:
         engine = cfg.engine
         if engine.model is None:
             raise ValueError("engine.model: the front end needs a resolved model (cluster.app.resolve_model)")
@@ -84,7 +96,10 @@ class Frontend:
         )
         self.api_keys = ApiKeys(cfg.resolve_api_keys(os.environ))
         self.limits = cfg.limits
-        self.metrics = Metrics()
+        self.metrics = Metrics(
+            model_name=self.model_name, max_model_len=self.max_model_len, names=cfg.metrics.names, replica=replica_id
+        )
+        self._peers = peers
         self.timeout_s = REQUEST_TIMEOUT_S
         # The worker's streaming `generate`, bound once (not per request by a method-name string).
         self._generate = worker.options(method_name="generate", stream=True)
@@ -175,6 +190,23 @@ class Frontend:
     async def stream_deltas(
         self, request_id: str, ids: list[int], params: SamplingParams, scheduling: Scheduling | None = None
     ) -> AsyncIterator[RequestOutput]:
+        """Delta outputs from a worker (`_worker_deltas`), timed for the metrics as they arrive;
+        a sequence the engine ended with an error raises RequestFailed."""
+        clock = self.metrics.clock(len(ids), params.n)
+        try:
+            async with contextlib.aclosing(self._worker_deltas(request_id, ids, params, scheduling)) as deltas:
+                async for delta in deltas:
+                    clock.add(delta)
+                    for c in delta.outputs:
+                        if c.finish_reason == "error":
+                            raise RequestFailed(c.error or "request failed")
+                    yield delta
+        finally:
+            clock.close()
+
+    async def _worker_deltas(
+        self, request_id: str, ids: list[int], params: SamplingParams, scheduling: Scheduling | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Delta outputs from a worker; each wait bounded by the request timeout.
 
         A replica that is gone or whose engine died before sending anything is not the
@@ -200,12 +232,14 @@ class Frontend:
                             raise TimeoutError(request_id) from exc
                         if started or attempt == REPLICA_RETRIES or not replica_unavailable(exc):
                             raise
-                        logger.warning("request %s: worker replica unavailable (%r), retrying", request_id, exc)
+                        logger.warning(
+                            "request %s (x-request-id %s): worker replica unavailable (%r), retrying",
+                            request_id,
+                            request_ids.current(),
+                            exc,
+                        )
                         break
                     started = True
-                    for c in delta.outputs:
-                        if c.finish_reason == "error":
-                            raise RequestFailed(c.error or "request failed")
                     yield delta
             finally:
                 gen.cancel()
@@ -235,6 +269,11 @@ class Frontend:
         self.metrics.request(protocol, status.http if protocol == "http" else status.grpc.name)
         if 400 <= status.http < 500:
             self.metrics.reject(protocol, status.http)
+
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """/metrics: every ingress replica's request metrics and the worker pool's stats."""
+        peers = await self._peers() if self._peers is not None else []
+        return self.metrics.render(await self.pool(), peers)
 
     async def pool(self) -> list[pool_stats.PoolSnapshot]:
         """Fresh engine stats of every worker replica."""

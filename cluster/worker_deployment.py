@@ -151,21 +151,13 @@ class LogitpoolWorker:
     async def _publish(self, what: str) -> None:
         """One snapshot to the KV store (bounded by its timeout); a failure is logged, never raised."""
         ctx = serve.get_replica_context()
-        try:
-            await pool_stats.publish(ctx.app_name, ctx.replica_id.unique_id, self.stats())
-        except Exception as exc:  # noqa: BLE001 - stats are best effort; health and exiting still work
-            logger.warning("publishing %s failed: %r", what, exc)
-
-    async def _publish_forever(self) -> None:
-        while True:
-            await self._publish("engine stats")
-            await asyncio.sleep(pool_stats.PUBLISH_INTERVAL_S)
+        await pool_stats.publish_logged(ctx.app_name, ctx.replica_id.unique_id, self.stats, what=what)
 
     async def check_health(self) -> None:
         """Serve calls this every few seconds (serve_config.HEALTH_CHECK_PERIOD_S): unhealthy as soon
         as the engine loop is dead or stalled, so Serve replaces the replica within seconds."""
         if self._publisher is None or self._publisher.done():
-            self._publisher = asyncio.create_task(self._publish_forever())
+            self._publisher = asyncio.create_task(pool_stats.publish_forever(lambda: self._publish("engine stats")))
         self._leave_if_dead()
         if not self.engine.healthy():  # stalled: Serve replaces the replica after a few failed checks
             raise RuntimeError(f"engine loop not healthy: {self.engine.dead!r}")

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -346,8 +347,11 @@ class LLMEngine:
             in_batch = [self._requests[rid] for rid in self.batch.req_ids if rid in self._requests]
             self._fail_and_rebuild(in_batch + sched.joining, _phase_error("batch update", exc))
             return False
+        now = time.monotonic()
         for req in sched.joining:
             req.in_batch = True
+            if req.queue_time_s is None:  # the first time only: a preempted one rejoins later
+                req.queue_time_s = now - req.queued_at
         if update is not None:
             self.num_condense_moves += sum(1 for m in update.moved if m[2].name == "UNIDIRECTIONAL")
             self.num_swaps += sum(1 for m in update.moved if m[2].name == "SWAP")
@@ -618,7 +622,9 @@ class LLMEngine:
             self._finish(child, FinishReason.ERROR, error=error)
         parent.dirty.clear()
         return [
-            CompletionOutput(c.index, "", c.new_token_ids, None, None, str(c.finish_reason), None, c.error)
+            CompletionOutput(
+                c.index, "", c.new_token_ids, None, None, str(c.finish_reason), None, c.error, c.queue_time_s
+            )
             for c in parent.children
         ]
 
@@ -632,6 +638,7 @@ class LLMEngine:
             finish_reason=str(req.finish_reason) if req.finish_reason else None,
             stop_reason=req.stop_reason,
             error=req.error,
+            queue_time_s=req.queue_time_s if req.finished else None,
         )
         req.new_token_ids = []
         req.new_logprobs = []

@@ -49,6 +49,9 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     # Set when finish_reason == "error".
     error: str | None = None
+    # Seconds from the engine receiving the sequence to its first step in the batch (vLLM's
+    # queue time); set on the sequence's last output only, which the ingress's metrics read.
+    queue_time_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -96,6 +99,8 @@ class OutputAccumulator:
             cur.finish_reason = d.finish_reason
             cur.stop_reason = d.stop_reason
             cur.error = d.error
+            if d.queue_time_s is not None:
+                cur.queue_time_s = d.queue_time_s
         self._out.outputs = [self._by_index[i] for i in sorted(self._by_index)]
         self._out.finished = delta.finished
         return self._out

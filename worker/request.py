@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,9 @@ class Request:
     arrival: int = 0
     # Held out of the batch because its consumer is behind (AsyncEngine's stream bound).
     paused: bool = False
+    # When the engine received it (monotonic), and how long it then waited for its first step.
+    queued_at: float = field(default_factory=time.monotonic)
+    queue_time_s: float | None = None
     # What the last step produced, handed out once as a delta.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[PositionLogprobs] = field(default_factory=list)

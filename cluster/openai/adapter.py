@@ -375,5 +375,5 @@ class HttpAdapter:
         return JSONResponse({"status": "unavailable", "workers_alive": 0, "workers": len(pool)}, status_code=503)
 
     async def prometheus(self) -> Response:
-        body, content_type = self.frontend.metrics.render(await self.frontend.pool())
+        body, content_type = await self.frontend.metrics_text()
         return Response(body, media_type=content_type)

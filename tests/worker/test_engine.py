@@ -435,3 +435,24 @@ def test_a_duplicate_running_request_id_is_answered_with_an_error(tiny_model):
     while engine.has_unfinished():
         finished = next((o for o in engine.step() if o.finished), finished)
     assert finished is not None and finished.outputs[0].finish_reason == "length"
+
+
+def test_queue_time_is_reported_on_a_sequences_last_output(tiny_model):
+    """The engine's queue time (arrival to first step in the batch, vLLM's) rides on a sequence's
+    last output only; with one row, the second request waits for the first to finish."""
+    engine = LLMEngine(EngineConfig(max_num_seqs=1, load_entry_points=False), loaded=tiny_model)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, prompt in enumerate(prompts_of(tiny_model, 2, seed=21)):
+        engine.add_request(f"q{i}", prompt, params)
+    queue: dict[str, float] = {}
+    for _ in range(100):
+        for out in engine.step():
+            (c,) = out.outputs
+            assert (c.queue_time_s is not None) == c.finished
+            if c.queue_time_s is not None:
+                queue[out.request_id] = c.queue_time_s
+        if not engine.has_unfinished():
+            break
+    assert set(queue) == {"q0", "q1"} and queue["q0"] >= 0.0
+    # q1 was admitted only after q0's last step: it waited through q0's whole run.
+    assert queue["q1"] > queue["q0"]

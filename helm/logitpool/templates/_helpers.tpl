@@ -162,6 +162,8 @@ applications:
         http_port: {{ $v.ports.http | toJson }}
         grpc_port: {{ $v.ports.grpc | toJson }}
       limits: {{ $v.limits | toJson }}
+      metrics:
+        names: {{ $v.metrics.names | toJson }}
       api_key_env: {{ include "logitpool.apiKeyEnv" . }}
       app_name: logitpool
       route_prefix: /
