@@ -27,6 +27,7 @@ class FakeEngine:
     alive: ClassVar[bool] = True
     seen: ClassVar[list[tuple[str, object, SamplingParams]]] = []
     scheduling: ClassVar[list[object]] = []  # the Scheduling each call carried
+    cached_tokens: ClassVar[int | None] = None  # what every output says the prefix cache served
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -78,7 +79,14 @@ class FakeEngine:
                     finish_reason=reason,
                     error="fake processor failed" if mode == "error" else None,
                 )
-                yield RequestOutput(request_id, None, [], [out], finished=last or mode == "error")
+                yield RequestOutput(
+                    request_id,
+                    None,
+                    [],
+                    [out],
+                    finished=last or mode == "error",
+                    num_cached_tokens=type(self).cached_tokens,
+                )
                 if mode == "error":
                     return
                 await asyncio.sleep(0)
