@@ -26,7 +26,16 @@ from cluster import limits as request_limits
 from cluster import pool_stats, prompt_bound
 from cluster import request_id as request_ids
 from cluster.auth import ApiKeys, bearer_token
-from cluster.chat import Turn, fit_to_context, render_chat
+from cluster.chat import (
+    CHAT_TOKENS,
+    GENERATION_PROMPT,
+    TEXT_TOKENS,
+    ChatRender,
+    PromptTokens,
+    Turn,
+    fit_to_context,
+    render_chat,
+)
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
 from cluster.limits import ONCE, ResponseShape
@@ -139,47 +148,91 @@ class Frontend:
             )
 
     def check_request(
-        self, params: SamplingParams, prompts: list[str | list[int]], shape: ResponseShape = ONCE
+        self,
+        params: SamplingParams,
+        prompts: list[str | list[int]],
+        shape: ResponseShape = ONCE,
+        tokens: PromptTokens = TEXT_TOKENS,
     ) -> list[list[int]]:
         """Limits, then validate and tokenize, then max_tokens against the context, then the
         response's size; raises ValueError naming the field (both protocols). ``shape``: how the
-        protocol's response lays out logprobs."""
+        protocol's response lays out logprobs; ``tokens``: special tokens and truncation."""
         check_prompts(prompts)
         request_limits.check_request(self.limits, params, len(prompts))
-        for p in prompts:
-            self.check_prompt_chars(p)
+        keep = tokens.keep(self.max_model_len)
+        if keep is None:  # a prompt to be truncated may be longer than the context
+            for p in prompts:
+                self.check_prompt_chars(p)
         self.validator.validate(params)
-        ids = [self.validator.tokenize(p) for p in prompts]
+        ids = [
+            self.validator.check_length(tokens.truncate(self.validator.encode(p, tokens.add_special_tokens), keep))
+            for p in prompts
+        ]
         fit_to_context(params, max(map(len, ids)), self.max_model_len)
         request_limits.check_response(self.limits, params, [len(i) for i in ids], self.max_model_len, shape)
         return ids
 
-    async def _off_loop(self, params: SamplingParams, size: int, fn: Callable[..., T], *args: Any) -> T:
+    async def _off_loop(self, grammar: object, size: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` (a request's checks and tokenizing) off the event loop unless ``size`` is
-        small; one that may wait for a grammar compile (bounded) waits in the default executor,
-        not on the tokenizing threads."""
-        if params.structured_outputs is not None:
+        small; one that may wait for a grammar compile (``grammar`` not None; bounded) waits in
+        the default executor, not on the tokenizing threads."""
+        if grammar is not None:
             return await asyncio.to_thread(fn, *args)
         if size <= INLINE_PROMPT_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     async def prepare(
-        self, params: SamplingParams, prompts: list[str | list[int]], shape: ResponseShape = ONCE
+        self,
+        params: SamplingParams,
+        prompts: list[str | list[int]],
+        shape: ResponseShape = ONCE,
+        tokens: PromptTokens = TEXT_TOKENS,
     ) -> list[list[int]]:
         """check_request, off the event loop when there is much to tokenize or a grammar to compile."""
-        return await self._off_loop(params, sum(map(len, prompts)), self.check_request, params, prompts, shape)
+        size = sum(map(len, prompts))
+        return await self._off_loop(params.structured_outputs, size, self.check_request, params, prompts, shape, tokens)
 
-    async def prepare_chat(self, params: SamplingParams, turns: list[Turn]) -> list[int]:
+    async def prepare_chat(
+        self,
+        params: SamplingParams,
+        turns: list[Turn],
+        how: ChatRender = GENERATION_PROMPT,
+        tokens: PromptTokens = CHAT_TOKENS,
+    ) -> list[int]:
         """The chat template rendered and checked like a prompt."""
         size = sum(len(text) for _, text in turns)
-        return await self._off_loop(params, size, self._chat_ids, params, turns)
+        return await self._off_loop(params.structured_outputs, size, self._chat_ids, params, turns, how, tokens)
 
-    def _chat_ids(self, params: SamplingParams, turns: list[Turn]) -> list[int]:
-        text = render_chat(self.tokenizer, turns)
-        self.check_prompt_chars(text, "messages")
-        (ids,) = self.check_request(params, [text])
+    def _chat_ids(self, params: SamplingParams, turns: list[Turn], how: ChatRender, tokens: PromptTokens) -> list[int]:
+        text = render_chat(self.tokenizer, turns, how)
+        if tokens.truncate_prompt_tokens is None:
+            self.check_prompt_chars(text, "messages")
+        (ids,) = self.check_request(params, [text], tokens=tokens)
         return ids
+
+    # -- tokenizer routes (vLLM's /tokenize and /detokenize) -------------------------------
+
+    async def tokenize(
+        self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender = GENERATION_PROMPT
+    ) -> list[int]:
+        """A text prompt's (or a rendered chat's) token ids, any length: the caller is measuring."""
+        size = len(prompt) if isinstance(prompt, str) else sum(len(text) for _, text in prompt)
+        return await self._off_loop(None, size, self._tokenize, prompt, add_special_tokens, how)
+
+    def _tokenize(self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender) -> list[int]:
+        if isinstance(prompt, str):
+            return self.validator.encode(prompt, add_special_tokens)
+        return self.validator.encode(render_chat(self.tokenizer, prompt, how), add_special_tokens, "messages")
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """Token ids (checked against the vocabulary) as text, special tokens kept (vLLM's)."""
+        checked = self.validator.encode(ids, field="tokens")
+        return await self._off_loop(None, len(checked), self.tokenizer.decode, checked)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The tokenizer's own piece for each id (``convert_ids_to_tokens``; vLLM's token_strs)."""
+        return list(self.tokenizer.convert_ids_to_tokens(ids))
 
     # -- dispatch and streaming ------------------------------------------------------------
 

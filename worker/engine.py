@@ -605,6 +605,9 @@ class LLMEngine:
             parent.dirty.clear()
             finished = parent.finished
             out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, deltas, finished)
+            out.num_cached_tokens = min(
+                (c.num_cached_tokens for c in parent.children if c.num_cached_tokens is not None), default=None
+            )
             if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
                 parent.prompt_logprobs_sent = True
                 if parent.prompt_logprobs_missing == 0:

@@ -68,6 +68,10 @@ class RequestOutput:
     # One entry per prompt token (the first is None: nothing precedes it), when the request asked
     # for prompt_logprobs; sent once, in the request's first output.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Prompt tokens whose KV came from the prefix cache when the prompt was first admitted (the
+    # fewest over its n sequences; vLLM's field, OpenAI's usage.prompt_tokens_details.cached_tokens).
+    # None until one of its sequences is admitted.
+    num_cached_tokens: int | None = None
 
 
 class OutputAccumulator:
@@ -86,6 +90,8 @@ class OutputAccumulator:
             self._out = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids)
         if delta.prompt_logprobs is not None:
             self._out.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens is not None:
+            self._out.num_cached_tokens = delta.num_cached_tokens
         for d in delta.outputs:
             cur = self._by_index.get(d.index)
             if cur is None:

@@ -44,6 +44,9 @@ class Request:
     # Seeded requests keep one generator for life, so a preempted one resumes its random stream.
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # Prompt tokens served from the prefix cache at this sequence's first admission (vLLM's
+    # num_cached_tokens: a recomputation after preemption does not change it).
+    num_cached_tokens: int | None = None
     in_batch: bool = False
     # This sequence computes its parent's prompt logprobs: its prefill reuses no cached blocks.
     computes_prompt_logprobs: bool = False

@@ -233,6 +233,8 @@ class Scheduler:
         if not self.kv.allocate(req, n, hits):
             return False
         self.kv.record_lookup(req.num_tokens, cached)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
         self.waiting.remove(req)
         self.running.append(req)
         if self._shares is not None:
