@@ -55,7 +55,9 @@ class EngineConfig:
     # tail, where removing them needs no condense moves.
     reorder_batch: bool = True
     # Paged KV cache: tokens per block, and the pool's size. kv_cache_bytes when set; else on CUDA
-    # kv_cache_memory_fraction of the free memory after loading; else (CPU) max_num_seqs x max_model_len.
+    # kv_cache_memory_fraction of the device's total memory less the weights and the profiled
+    # activation peak (worker.model.memory; replicas sharing a GPU split it: 0.45 each for two);
+    # else (CPU) max_num_seqs x max_model_len.
     block_size: int = 16
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.9
@@ -99,8 +101,8 @@ class EngineConfig:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes: must be >= 1, got {self.kv_cache_bytes}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if not 0.0 < self.kv_cache_memory_fraction < 1.0:  # 1.0 leaves no room for the CUDA context
+            raise ValueError(f"kv_cache_memory_fraction: must be in (0, 1), got {self.kv_cache_memory_fraction}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"

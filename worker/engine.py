@@ -28,8 +28,17 @@ from worker.kv.manager import KVCacheManager
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
-from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
-from worker.model.runner import ModelRunner, ScheduledSeq, num_blocks_for
+from worker.model.loader import (
+    LoadedModel,
+    build_tiny_model,
+    default_model_path,
+    load_model,
+    resolve_device,
+    resolve_max_model_len,
+)
+from worker.model.memory import CudaMemory, DeviceMemory, KVBudget
+from worker.model.profile import profiled_kv_budget
+from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.reorder import tail_swaps
@@ -68,11 +77,20 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, loaded: LoadedModel | None = None, memory: DeviceMemory | None = None
+    ) -> None:
+        """``memory``: the device's memory figures for KV sizing (default: CUDA's, on a GPU)."""
         self.config = config
+        device = loaded.device if loaded is not None else resolve_device(config.device)
+        if config.kv_cache_bytes is not None:
+            memory = None  # the pool's size is given: nothing to measure
+        elif memory is None and device.type == "cuda":
+            memory = CudaMemory(device)
+        start = memory.snapshot() if memory is not None else None  # before the weights load
         if loaded is None:
             model = config.model or str(build_tiny_model(default_model_path()))
-            loaded = load_model(model, device=config.device, dtype=config.dtype)
+            loaded = load_model(model, device=device, dtype=config.dtype)
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
@@ -81,12 +99,15 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.max_model_len)
         self.pin_memory = self.device.type == "cuda"
+        kv_bytes = config.kv_cache_bytes
+        # How the pool was sized on a GPU (None: kv_cache_bytes, or CPU's max_num_seqs x max_model_len).
+        self.kv_budget: KVBudget | None = None
+        if memory is not None and start is not None:
+            self.kv_budget = profiled_kv_budget(loaded, config, self.max_model_len, memory, start)
+            logger.info("%s", self.kv_budget.describe())
+            kv_bytes = self.kv_budget.check(block_bytes(loaded, config.block_size))
         num_blocks = num_blocks_for(
-            loaded,
-            config.block_size,
-            kv_cache_bytes=config.kv_cache_bytes,
-            memory_fraction=config.kv_cache_memory_fraction,
-            default_tokens=config.max_num_seqs * self.max_model_len,
+            loaded, config.block_size, kv_cache_bytes=kv_bytes, default_tokens=config.max_num_seqs * self.max_model_len
         )
         self.runner = ModelRunner(
             loaded, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
