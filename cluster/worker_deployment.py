@@ -91,8 +91,9 @@ class LogitpoolWorker:
         self, engine: dict[str, Any], stream_interval_s: float = 0.0, engine_factory: EngineFactory = AsyncEngine
     ) -> None:
         bind_replica_grpc_to_node_ip()
-        self.config, allow_cpu = replica_engine_config(EngineConfig(**engine))
-        check_gpu(allow_cpu, self.config.device)
+        config, allow_cpu = replica_engine_config(EngineConfig(**engine))
+        # The GPUs Ray gave this replica decide its device (none: CPU, whatever CUDA it can see).
+        self.config = dataclasses.replace(config, device=check_gpu(allow_cpu, config.device))
         self.stream_interval_s = stream_interval_s
         self.engine: ServedEngine = engine_factory(self.config)
         self._num_requests = 0

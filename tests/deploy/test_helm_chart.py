@@ -75,7 +75,7 @@ GPU_EQUIVALENT = {
             "metrics_interval_s": 2.5,
             "look_back_period_s": 20,
         },
-        "num_gpus": 2,
+        "num_gpus": 1,
         "num_cpus": 3.5,
         "max_ongoing_requests": 192,
         "max_queued_requests": 512,
