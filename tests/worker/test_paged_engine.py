@@ -14,8 +14,8 @@ from typing import ClassVar
 import pytest
 import torch
 
+from tests.worker.model_fixtures import engine_config
 from tests.worker.test_engine import hf_greedy, prompts_of
-from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -26,10 +26,11 @@ from worker.sampling_params import SamplingParams
 
 
 def _engine(loaded, *, blocks: int | None = None, block_size: int = 8, **kw) -> LLMEngine:
-    kv = None if blocks is None else blocks * block_bytes(loaded, block_size)
     kw.setdefault("max_num_seqs", 8)
     kw.setdefault("max_num_batched_tokens", 64)
-    cfg = EngineConfig(load_entry_points=False, block_size=block_size, kv_cache_bytes=kv, **kw)
+    if blocks is not None:
+        kw["kv_cache_bytes"] = blocks * block_bytes(loaded, block_size)
+    cfg = engine_config(load_entry_points=False, block_size=block_size, **kw)
     return LLMEngine(cfg, loaded=loaded)
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
+from tests.worker.model_fixtures import engine_config
 from tests.worker.test_engine import prompts_of
 from worker.async_engine import AsyncEngine
-from worker.config import EngineConfig
 from worker.model.runner import block_bytes
 from worker.sampling_params import SamplingParams
 
@@ -19,7 +19,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 
 def make_engine(loaded) -> AsyncEngine:
     return AsyncEngine(
-        EngineConfig(max_num_seqs=4, load_entry_points=False, stream_buffer_outputs=BUFFER), loaded=loaded
+        engine_config(max_num_seqs=4, load_entry_points=False, stream_buffer_outputs=BUFFER), loaded=loaded
     )
 
 
@@ -101,7 +101,7 @@ def test_a_paused_requests_kv_is_the_first_to_go_when_blocks_run_short(tiny_mode
         prompt_len, new, block = 24, 40, 8
         blocks = 2 * -(-(prompt_len + new) // block)  # room for two of the three requests at full length
         engine = AsyncEngine(
-            EngineConfig(
+            engine_config(
                 max_num_seqs=4,
                 load_entry_points=False,
                 stream_buffer_outputs=BUFFER,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jsonschema
 import pytest
 
+from tests.worker.model_fixtures import suite_engine_kwargs
 from worker import LLM, SamplingParams
 from worker.logits_processor.structured_grammar import compiler_for
 from worker.model.loader import build_tiny_model, default_model_path
@@ -80,7 +81,7 @@ def llm() -> LLM:
         num_kv_heads=1,
         intermediate_size=128,
     )
-    return LLM(str(path), max_num_seqs=64, dtype="float32")
+    return LLM(str(path), max_num_seqs=64, dtype="float32", **{"device": "cpu", **suite_engine_kwargs()})
 
 
 def _gen(llm: LLM, so: dict, max_tokens: int = 96, **kw: object) -> list:
