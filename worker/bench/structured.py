@@ -34,7 +34,7 @@ from worker.logits_processor.structured import (
     StructuredOutputsLogitsProcessor,
     apply_token_bitmask_,
 )
-from worker.logits_processor.structured_grammar import StructuredCompiler
+from worker.logits_processor.structured_grammar import StructuredCompiler, bitmask_words
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 from worker.structured_outputs import StructuredOutputsParams
@@ -145,7 +145,7 @@ def step_costs(tokenizer: Any, vocab_size: int, batch_size: int, steps: int, see
             sample_ms.append(_median_ms(lambda: sampler(buf, md), lambda: buf.copy_(logits), 1))
             if constrained:  # the processor's parts, on the state the sampler just saw
                 items = list(proc.states.items())
-                bitmask = proc._host_bitmask(batch_size, vocab_size)
+                bitmask = proc._bitmask.host(batch_size, bitmask_words(vocab_size))
                 t0 = time.perf_counter()
                 proc._filler.fill([r.matcher for _, r in items], [i for i, _ in items], bitmask)
                 fill_ms.append((time.perf_counter() - t0) * 1e3)
