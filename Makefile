@@ -34,6 +34,13 @@ serve: venv
 bench: venv
 	$(BIN)/logitpool bench sampler
 
+# The GPU check (worker/bench/gpu_check.py). No venv target: on a GPU host without .venv it runs
+# the system python from the source tree, so the host's own torch is used and nothing installed.
+GPU_CHECK_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=.$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_CHECK_PY) -m worker.bench.gpu_check $(ARGS)
+
 protos: venv
 	$(BIN)/python protos/generate.py
 
