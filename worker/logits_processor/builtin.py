@@ -18,7 +18,8 @@ import torch
 
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor
 from worker.logits_processor.state import RowStates
-from worker.ops.plan import runs_of
+from worker.ops.cutoff import drop_below_
+from worker.ops.plan import RowGroup, runs_of
 from worker.ops.scratch import Buffer
 from worker.ops.staging import stage
 from worker.sampling_params import SamplingParams
@@ -240,22 +241,17 @@ class MinPLogitsProcessor(_SparseRows[float]):
 
     def _rebuild(self, vocab_size: int) -> None:
         items = list(self.states.items())
-        self._runs = runs_of([r for r, _ in items])
+        rows = [r for r, _ in items]
+        self._rows = RowGroup(tuple(rows), self._stage(rows, torch.int64), runs_of(rows))
         self._log_min_p = self._stage([math.log(m) for _, m in items], torch.float32)[:, None]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.states:
             return logits
         self._ensure_built(logits.shape[1])
-        diff = self._diff.take((self._log_min_p.shape[0], logits.shape[1]), logits.dtype, logits.device)
-        inf = torch.tensor(float("inf"), dtype=logits.dtype, device=logits.device)
-        for run in self._runs:  # the active rows in place, a stretch of consecutive rows at a time
-            sub = logits[run.batch : run.batch + run.length]
-            d = diff[run.local : run.local + run.length]
-            threshold = sub.amax(-1, keepdim=True) + self._log_min_p[run.local : run.local + run.length].to(sub.dtype)
-            # Branch-free "x < threshold -> -inf": min(x, copysign(inf, x - threshold)) where
-            # copysign gives +inf for kept tokens (x == threshold too) and -inf for dropped ones.
-            torch.sub(sub, threshold, out=d)
-            torch.copysign(inf, d, out=d)
-            torch.minimum(sub, d, out=sub)
+        threshold = torch.empty(len(self._rows), 1, dtype=logits.dtype, device=logits.device)
+        for run in self._rows.runs:  # the active rows in place, a stretch of consecutive rows at a time
+            sub, local = logits[run.batch : run.batch + run.length], slice(run.local, run.local + run.length)
+            torch.add(sub.amax(-1, keepdim=True), self._log_min_p[local].to(sub.dtype), out=threshold[local])
+        drop_below_(logits, self._rows, threshold, self._diff)
         return logits

@@ -15,11 +15,13 @@ Three ways to apply it, all giving that rule:
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import torch
 
 from worker.ops.draw import row_total
+from worker.ops.flat import put2d_, take2d
 from worker.ops.scratch import Buffer
 from worker.ops.select import sort_by_value_then_id, topk_candidates
 
@@ -69,7 +71,6 @@ class TopPScratch:
     mass: Buffer = field(default_factory=Buffer)  # float64 probabilities
     hist: Buffer = field(default_factory=Buffer)
     in_bucket: Buffer = field(default_factory=Buffer)  # bool, rows padded to a multiple of 8 columns
-    keep: Buffer = field(default_factory=Buffer)  # float32 0/1
     _spread: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def spread(self, v: int, device: torch.device) -> torch.Tensor:
@@ -104,7 +105,7 @@ def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, scratch: TopPScratch)
 
     # The boundary bucket's tokens, in top-p order within each row.
     row, col = _equal_positions(key32, bucket.to(torch.int32), scratch.in_bucket)
-    val = probs[row, col]
+    val = take2d(probs, row, col)
     o = torch.argsort(val, descending=True, stable=True)  # positions come (row, col) ascending
     row, col, val = row[o], col[o], val[o]
     o = torch.argsort(row, stable=True)
@@ -112,16 +113,25 @@ def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, scratch: TopPScratch)
     # Each row's running sum on its own (a [h, max count] padded matrix), so a row's cut never
     # depends on the other rows' candidates.
     counts = torch.bincount(row, minlength=h)
+    # One host read: the padded matrix's width, and each row's bucket (for the cut below it).
+    width, *buckets = torch.cat([counts.max()[None], bucket.flatten()]).tolist()
     pos = torch.arange(row.numel(), device=row.device) - (torch.cumsum(counts, 0) - counts)[row]
-    padded = torch.zeros(h, int(counts.max()) + 1, dtype=torch.float64, device=dev)
-    padded[row, pos + 1] = val.to(torch.float64)
-    before = padded.cumsum(1)[row, pos]  # mass of the row's earlier candidates
+    padded = torch.zeros(h, width + 1, dtype=torch.float64, device=dev)
+    put2d_(padded, row, pos + 1, val.to(torch.float64))
+    before = take2d(padded.cumsum(1), row, pos)  # mass of the row's earlier candidates
     drop = above[row] + before >= target[row]
-    probs[row[drop], col[drop]] = 0.0
+    put2d_(probs, row[drop], col[drop], 0.0)
 
-    # Everything in a lower bucket: values below the bucket's smallest float.
-    low = (bucket.to(torch.int32) << _SHIFT).view(torch.float32)
-    probs.mul_(torch.ge(probs, low, out=scratch.keep.take((h, v), torch.float32, dev)))
+    # Everything in a lower bucket: values below the bucket's smallest float. ``threshold_``
+    # keeps x > the float just under it, in one pass (a 0/1 mask and a multiply take three).
+    for i, b in enumerate(buckets):
+        if b > 0:  # bucket 0 starts at 0.0: nothing lies below it
+            torch.threshold_(probs[i], _float_bits((b << _SHIFT) - 1), 0.0)
+
+
+def _float_bits(bits: int) -> float:
+    """The float32 whose bit pattern is ``bits`` (non-negative)."""
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
 def _equal_positions(key: torch.Tensor, value: torch.Tensor, scratch: Buffer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,5 +149,5 @@ def _equal_positions(key: torch.Tensor, value: torch.Tensor, scratch: Buffer) ->
     row, word = buf.view(torch.int64).nonzero(as_tuple=True)
     cols = (word[:, None] * 8 + torch.arange(8, device=key.device)).flatten()
     rows = row.repeat_interleave(8)
-    hit = buf[rows, cols]
+    hit = take2d(buf, rows, cols)
     return rows[hit], cols[hit]
