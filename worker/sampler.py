@@ -373,7 +373,7 @@ class Sampler:
         plan = call.plan
         if not len(plan.greedy):
             return
-        vals, ids = row_argmax(call.x, call.bmax, rows=plan.greedy.index)
+        vals, ids = row_argmax(call.x, call.bmax, rows=None if plan.all_greedy else plan.greedy.index)
         call.decide(plan.greedy, ids, torch.isfinite(vals))
         if len(plan.processed):
             # Greedy rows' processed logits are fixed here: 7b must not change a greedy row's results.
