@@ -16,16 +16,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[serve,client,dev]"
 	touch $(STAMP)
 
-# ruff (lint, then format) and mypy, all configured in pyproject.toml. mypy keeps .mypy_cache:
-# a cold run reads torch and ray (about 35 s of CPU), a warm one a few seconds.
+# ruff (lint, then format) and mypy, all configured in pyproject.toml. mypy keeps .mypy_cache
+# (git-ignored): a cold run, as in CI, reads torch and ray (about 30 s of CPU), a warm one a few seconds.
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# `make lint` first, so a lint or type error fails `make test` (and .ci/run) before any test runs.
 # The suite's own Ray clusters run without token auth (tests/conftest.py says why).
-# `make lint` (ruff + mypy) is not yet run by `make test`: the tree is not clean yet (issue 19).
-test: venv
+test: venv lint
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q
 
 serve: venv
@@ -34,10 +34,17 @@ serve: venv
 bench: venv
 	$(BIN)/logitpool bench sampler
 
+# The GPU check (worker/bench/gpu_check.py). No venv target: on a GPU host without .venv it runs
+# the system python from the source tree, so the host's own torch is used and nothing installed.
+GPU_CHECK_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=.$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_CHECK_PY) -m worker.bench.gpu_check $(ARGS)
+
 protos: venv
 	$(BIN)/python protos/generate.py
 
-# The Helm values schema, generated from the config model (tests/cluster/test_helm_schema.py checks it).
+# The Helm values schema, generated from the config model (tests/cluster_rayfree/test_helm_schema.py checks it).
 helm-schema: venv
 	$(BIN)/python -m cluster.deploy.helm_schema
 

@@ -14,7 +14,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -37,6 +37,7 @@ from pydantic_core import InitErrorDetails
 
 from cluster.limits import Limits
 from cluster.routing.config import RoutingConfig
+from worker.config import DTYPES
 from worker.config import EngineConfig as WorkerEngineConfig
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -65,7 +66,6 @@ class _Frozen(BaseModel):
 # The worker's own engine config (a frozen dataclass, defaults stated there), embedded as-is; a
 # config file sees its fields under `engine:`. These are the config file's extra rules on top of
 # the dataclass's own checks, also published in the Helm values schema (cluster.deploy.helm_schema).
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerEngineConfig))
 ENGINE_JSON_SCHEMA: dict[str, dict[str, Any]] = {
     "dtype": {"enum": list(DTYPES)},
@@ -77,7 +77,7 @@ ENGINE_JSON_SCHEMA: dict[str, dict[str, Any]] = {
     "logits_processors": {"items": {"type": "string", "pattern": _FQCN.pattern}},
     "block_size": {"minimum": 1},
     "kv_cache_bytes": {"minimum": 1},
-    "kv_cache_memory_fraction": {"exclusiveMinimum": 0, "maximum": 1},
+    "kv_cache_memory_fraction": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
     "stream_buffer_outputs": {"minimum": 2},
 }
 
@@ -99,17 +99,17 @@ def _engine_rules(engine: WorkerEngineConfig) -> WorkerEngineConfig:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {engine.dtype!r}")
     if engine.device is not None and not _DEVICE.match(engine.device):
         raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {engine.device!r}")
+    if engine.device is not None and engine.device.startswith("cuda:") and engine.device != "cuda:0":
+        raise ValueError(
+            f"device: {engine.device!r} cannot work under Ray: a replica sees only the GPU it was given, "
+            "as cuda:0; use cuda (workers.num_gpus places the replicas)"
+        )
     for fqcn in engine.logits_processors:
         if not isinstance(fqcn, str) or not _FQCN.match(fqcn):
             raise ValueError(
                 f"logits processor {fqcn!r} is not a fully-qualified class name "
                 "of the form 'dotted.module.path:ClassName'"
             )
-    # Every running sequence decodes one token per step, so a step must fit them all.
-    if engine.max_num_batched_tokens < engine.max_num_seqs:
-        raise ValueError(
-            f"max_num_batched_tokens ({engine.max_num_batched_tokens}) must be >= max_num_seqs ({engine.max_num_seqs})"
-        )
     return engine
 
 
@@ -144,7 +144,8 @@ class WorkerDeploymentConfig(_Frozen):
     num_replicas: PositiveInt | None = None
     """Fixed replica count; None means 1 unless `autoscaling` is set."""
     autoscaling: AutoscalingConfig | None = None
-    num_gpus: NonNegativeFloat = 0.0
+    num_gpus: NonNegativeFloat = Field(default=0.0, json_schema_extra={"maximum": 1})
+    """0 (the replica runs on CPU), a share of one GPU (replicas sharing it), or 1; see _one_gpu."""
     num_cpus: NonNegativeFloat = 1.0
     max_ongoing_requests: PositiveInt | None = None
     """None = WORKER_CALLS_PER_ROW x the engine's max_num_seqs; Serve's default (5) would cap the batch."""
@@ -152,6 +153,17 @@ class WorkerDeploymentConfig(_Frozen):
     stream_interval_s: NonNegativeFloat = 0.05
     """After a stream's first token, deltas are merged and sent at most this often (0 = every
     step): each streamed message costs CPU in the worker, the ingress and the proxy."""
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu(cls, value: float) -> float:
+        """A replica runs its model on one device (no tensor parallelism yet): more would sit idle."""
+        if value > 1:
+            raise ValueError(
+                f"workers.num_gpus: {value} GPUs per replica, but a replica uses one (tensor parallelism is "
+                "not supported yet) and the rest would sit idle; use 1 and more replicas"
+            )
+        return value
 
     @model_validator(mode="after")
     def _replicas_exclusive(self) -> WorkerDeploymentConfig:
@@ -183,6 +195,14 @@ class ServerConfig(_Frozen):
         return self
 
 
+class MetricsConfig(_Frozen):
+    """What /metrics serves (cluster.metrics; the table in docs/metrics.md)."""
+
+    names: Literal["logitpool", "vllm", "both"] = "both"
+    """The request histograms and counters under logitpool's names, vLLM's (`vllm:...`, its
+    labels and buckets, so vLLM dashboards and autoscaling rules work unchanged), or both."""
+
+
 class LogitpoolConfig(_Frozen):
     """The whole deployment. Build it with `model_validate`, `from_yaml` or `with_overrides`."""
 
@@ -194,6 +214,7 @@ class LogitpoolConfig(_Frozen):
     """Request size/time bounds enforced at the ingress; defaults in cluster.limits.Limits."""
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     """How the ingress picks a worker replica per request; cluster.routing.config."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     api_keys: tuple[SecretStr, ...] = ()
     """Accepted bearer keys for in-process use; never written to a Serve config or YAML dump."""
     api_key_env: str = "LOGITPOOL_API_KEY"
@@ -223,6 +244,17 @@ class LogitpoolConfig(_Frozen):
         if not value.startswith("/"):
             raise ValueError(f"route_prefix must start with '/', got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _cuda_needs_a_gpu(self) -> LogitpoolConfig:
+        """A replica given no GPU runs on CPU (cluster.gpu_check): CUDA must come with one."""
+        device = self.engine.device
+        if device is not None and device.startswith("cuda") and self.workers.num_gpus == 0:
+            raise ValueError(
+                f"engine.device: {device!r} but workers.num_gpus is 0, so Ray gives the replicas no GPU; "
+                "set workers.num_gpus (1, or a share of one), or device: auto"
+            )
+        return self
 
     @model_validator(mode="after")
     def _worker_admits_full_batch(self) -> LogitpoolConfig:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from cluster import request_id
 from cluster.auth import Unauthenticated
 from worker.async_engine import EngineDeadError
 
@@ -85,7 +86,7 @@ def classify(exc: BaseException) -> Status:
         return Status(504, grpc.StatusCode.DEADLINE_EXCEEDED, "request timed out", "timeout")
     if isinstance(exc, RequestFailed):
         return Status(500, grpc.StatusCode.INTERNAL, str(exc), "request_failed")
-    logger.exception("unexpected error", exc_info=exc)
+    logger.exception("unexpected error (x-request-id %s)", request_id.current(), exc_info=exc)
     return Status(500, grpc.StatusCode.INTERNAL, "internal error", "internal_error")
 
 

@@ -10,11 +10,12 @@ request never reaches a worker, and the worker receives token ids (see cluster.w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -23,12 +24,22 @@ from transformers import AutoTokenizer
 
 from cluster import limits as request_limits
 from cluster import pool_stats, prompt_bound
+from cluster import request_id as request_ids
 from cluster.auth import ApiKeys, bearer_token
-from cluster.chat import Turn, fit_to_context, render_chat
+from cluster.chat import (
+    CHAT_TOKENS,
+    GENERATION_PROMPT,
+    TEXT_TOKENS,
+    ChatRender,
+    PromptTokens,
+    Turn,
+    fit_to_context,
+    render_chat,
+)
 from cluster.config import LogitpoolConfig
 from cluster.errors import ModelNotFound, RequestFailed, Status, replica_unavailable
 from cluster.limits import ONCE, ResponseShape
-from cluster.metrics import Metrics
+from cluster.metrics import LOCAL_REPLICA, IngressSnapshot, Metrics
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.model.loader import model_limits
 from worker.outputs import OutputAccumulator, RequestOutput
@@ -47,6 +58,8 @@ REPLICA_RETRY_BACKOFF_S = 0.2
 
 # Every worker replica's engine stats (cluster.pool_stats snapshots); [] when none is known.
 PoolReader = Callable[[], Awaitable[list[pool_stats.PoolSnapshot]]]
+# Every ingress replica's published metrics (cluster.metrics.shared); [] when none is known.
+PeerReader = Callable[[], Awaitable[list[IngressSnapshot]]]
 
 
 def check_prompts(prompts: list[str | list[int]]) -> None:
@@ -66,9 +79,17 @@ T = TypeVar("T")
 
 class Frontend:
     """One per ingress replica; `worker` is the worker deployment's handle (a DeploymentHandle,
-    real or from Serve's local testing mode), `pool` reads the worker replicas' stats."""
+    real or from Serve's local testing mode), `pool` reads the worker replicas' stats, `peers`
+    the ingress replicas' metrics (None: this replica's alone), `replica_id` names this one."""
 
-    def __init__(self, cfg: LogitpoolConfig, worker: Any, pool: PoolReader) -> None:
+    def __init__(
+        self,
+        cfg: LogitpoolConfig,
+        worker: Any,
+        pool: PoolReader,
+        peers: PeerReader | None = None,
+        replica_id: str = LOCAL_REPLICA,
+    ) -> None:
         engine = cfg.engine
         if engine.model is None:
             raise ValueError("engine.model: the front end needs a resolved model (cluster.app.resolve_model)")
@@ -84,7 +105,10 @@ class Frontend:
         )
         self.api_keys = ApiKeys(cfg.resolve_api_keys(os.environ))
         self.limits = cfg.limits
-        self.metrics = Metrics()
+        self.metrics = Metrics(
+            model_name=self.model_name, max_model_len=self.max_model_len, names=cfg.metrics.names, replica=replica_id
+        )
+        self._peers = peers
         self.timeout_s = REQUEST_TIMEOUT_S
         # The worker's streaming `generate`, bound once (not per request by a method-name string).
         self._generate = worker.options(method_name="generate", stream=True)
@@ -124,47 +148,91 @@ class Frontend:
             )
 
     def check_request(
-        self, params: SamplingParams, prompts: list[str | list[int]], shape: ResponseShape = ONCE
+        self,
+        params: SamplingParams,
+        prompts: list[str | list[int]],
+        shape: ResponseShape = ONCE,
+        tokens: PromptTokens = TEXT_TOKENS,
     ) -> list[list[int]]:
         """Limits, then validate and tokenize, then max_tokens against the context, then the
         response's size; raises ValueError naming the field (both protocols). ``shape``: how the
-        protocol's response lays out logprobs."""
+        protocol's response lays out logprobs; ``tokens``: special tokens and truncation."""
         check_prompts(prompts)
         request_limits.check_request(self.limits, params, len(prompts))
-        for p in prompts:
-            self.check_prompt_chars(p)
+        keep = tokens.keep(self.max_model_len)
+        if keep is None:  # a prompt to be truncated may be longer than the context
+            for p in prompts:
+                self.check_prompt_chars(p)
         self.validator.validate(params)
-        ids = [self.validator.tokenize(p) for p in prompts]
+        ids = [
+            self.validator.check_length(tokens.truncate(self.validator.encode(p, tokens.add_special_tokens), keep))
+            for p in prompts
+        ]
         fit_to_context(params, max(map(len, ids)), self.max_model_len)
         request_limits.check_response(self.limits, params, [len(i) for i in ids], self.max_model_len, shape)
         return ids
 
-    async def _off_loop(self, params: SamplingParams, size: int, fn: Callable[..., T], *args: Any) -> T:
+    async def _off_loop(self, grammar: object, size: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` (a request's checks and tokenizing) off the event loop unless ``size`` is
-        small; one that may wait for a grammar compile (bounded) waits in the default executor,
-        not on the tokenizing threads."""
-        if params.structured_outputs is not None:
+        small; one that may wait for a grammar compile (``grammar`` not None; bounded) waits in
+        the default executor, not on the tokenizing threads."""
+        if grammar is not None:
             return await asyncio.to_thread(fn, *args)
         if size <= INLINE_PROMPT_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     async def prepare(
-        self, params: SamplingParams, prompts: list[str | list[int]], shape: ResponseShape = ONCE
+        self,
+        params: SamplingParams,
+        prompts: list[str | list[int]],
+        shape: ResponseShape = ONCE,
+        tokens: PromptTokens = TEXT_TOKENS,
     ) -> list[list[int]]:
         """check_request, off the event loop when there is much to tokenize or a grammar to compile."""
-        return await self._off_loop(params, sum(map(len, prompts)), self.check_request, params, prompts, shape)
+        size = sum(map(len, prompts))
+        return await self._off_loop(params.structured_outputs, size, self.check_request, params, prompts, shape, tokens)
 
-    async def prepare_chat(self, params: SamplingParams, turns: list[Turn]) -> list[int]:
+    async def prepare_chat(
+        self,
+        params: SamplingParams,
+        turns: list[Turn],
+        how: ChatRender = GENERATION_PROMPT,
+        tokens: PromptTokens = CHAT_TOKENS,
+    ) -> list[int]:
         """The chat template rendered and checked like a prompt."""
         size = sum(len(text) for _, text in turns)
-        return await self._off_loop(params, size, self._chat_ids, params, turns)
+        return await self._off_loop(params.structured_outputs, size, self._chat_ids, params, turns, how, tokens)
 
-    def _chat_ids(self, params: SamplingParams, turns: list[Turn]) -> list[int]:
-        text = render_chat(self.tokenizer, turns)
-        self.check_prompt_chars(text, "messages")
-        (ids,) = self.check_request(params, [text])
+    def _chat_ids(self, params: SamplingParams, turns: list[Turn], how: ChatRender, tokens: PromptTokens) -> list[int]:
+        text = render_chat(self.tokenizer, turns, how)
+        if tokens.truncate_prompt_tokens is None:
+            self.check_prompt_chars(text, "messages")
+        (ids,) = self.check_request(params, [text], tokens=tokens)
         return ids
+
+    # -- tokenizer routes (vLLM's /tokenize and /detokenize) -------------------------------
+
+    async def tokenize(
+        self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender = GENERATION_PROMPT
+    ) -> list[int]:
+        """A text prompt's (or a rendered chat's) token ids, any length: the caller is measuring."""
+        size = len(prompt) if isinstance(prompt, str) else sum(len(text) for _, text in prompt)
+        return await self._off_loop(None, size, self._tokenize, prompt, add_special_tokens, how)
+
+    def _tokenize(self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender) -> list[int]:
+        if isinstance(prompt, str):
+            return self.validator.encode(prompt, add_special_tokens)
+        return self.validator.encode(render_chat(self.tokenizer, prompt, how), add_special_tokens, "messages")
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """Token ids (checked against the vocabulary) as text, special tokens kept (vLLM's)."""
+        checked = self.validator.encode(ids, field="tokens")
+        return await self._off_loop(None, len(checked), self.tokenizer.decode, checked)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The tokenizer's own piece for each id (``convert_ids_to_tokens``; vLLM's token_strs)."""
+        return list(self.tokenizer.convert_ids_to_tokens(ids))
 
     # -- dispatch and streaming ------------------------------------------------------------
 
@@ -175,6 +243,23 @@ class Frontend:
     async def stream_deltas(
         self, request_id: str, ids: list[int], params: SamplingParams, scheduling: Scheduling | None = None
     ) -> AsyncIterator[RequestOutput]:
+        """Delta outputs from a worker (`_worker_deltas`), timed for the metrics as they arrive;
+        a sequence the engine ended with an error raises RequestFailed."""
+        clock = self.metrics.clock(len(ids), params.n)
+        try:
+            async with contextlib.aclosing(self._worker_deltas(request_id, ids, params, scheduling)) as deltas:
+                async for delta in deltas:
+                    clock.add(delta)
+                    for c in delta.outputs:
+                        if c.finish_reason == "error":
+                            raise RequestFailed(c.error or "request failed")
+                    yield delta
+        finally:
+            clock.close()
+
+    async def _worker_deltas(
+        self, request_id: str, ids: list[int], params: SamplingParams, scheduling: Scheduling | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Delta outputs from a worker; each wait bounded by the request timeout.
 
         A replica that is gone or whose engine died before sending anything is not the
@@ -200,12 +285,14 @@ class Frontend:
                             raise TimeoutError(request_id) from exc
                         if started or attempt == REPLICA_RETRIES or not replica_unavailable(exc):
                             raise
-                        logger.warning("request %s: worker replica unavailable (%r), retrying", request_id, exc)
+                        logger.warning(
+                            "request %s (x-request-id %s): worker replica unavailable (%r), retrying",
+                            request_id,
+                            request_ids.current(),
+                            exc,
+                        )
                         break
                     started = True
-                    for c in delta.outputs:
-                        if c.finish_reason == "error":
-                            raise RequestFailed(c.error or "request failed")
                     yield delta
             finally:
                 gen.cancel()
@@ -235,6 +322,11 @@ class Frontend:
         self.metrics.request(protocol, status.http if protocol == "http" else status.grpc.name)
         if 400 <= status.http < 500:
             self.metrics.reject(protocol, status.http)
+
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """/metrics: every ingress replica's request metrics and the worker pool's stats."""
+        peers = await self._peers() if self._peers is not None else []
+        return self.metrics.render(await self.pool(), peers)
 
     async def pool(self) -> list[pool_stats.PoolSnapshot]:
         """Fresh engine stats of every worker replica."""

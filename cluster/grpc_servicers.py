@@ -118,8 +118,7 @@ def _deferred(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         return handler
     descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
     message_type = descriptor.full_name if descriptor is not None else "request"
-    # grpc's handlers are namedtuples at runtime; the stub's abstract class has no `_replace`.
-    return handler._replace(request_deserializer=lambda raw: WireRequest(message_type, raw))  # type: ignore[attr-defined]
+    return handler._replace(request_deserializer=lambda raw: WireRequest(message_type, raw))  # type: ignore[attr-defined]  # a namedtuple at runtime; the stub's class has no _replace
 
 
 def _clean_details(context: grpc.aio.ServicerContext) -> None:
@@ -159,7 +158,7 @@ def _sanitizing(factory: Callable[..., Behavior]) -> Callable[..., Behavior]:
     def make(*args: Any, **kwargs: Any) -> Behavior:
         return _sanitized(factory(*args, **kwargs))
 
-    make.logitpool_sanitizing = True  # type: ignore[attr-defined]
+    make.logitpool_sanitizing = True  # type: ignore[attr-defined]  # a marker on the function, read back by getattr
     return make
 
 
@@ -188,5 +187,4 @@ def add_LogitPoolServicer_to_server(servicer: Any, server: Any) -> None:
 
 
 def add_HealthServicer_to_server(servicer: Any, server: Any) -> None:
-    # The stub wants a grpc.Server; the generated code only calls the registration methods the proxy has.
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, _ProxyServer(server))  # type: ignore[arg-type]
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, _ProxyServer(server))

@@ -6,6 +6,10 @@ about the others. Instead each worker replica publishes a small JSON snapshot of
 under a key per application and replica; the ingress lists the application's keys. A replica
 that died stops publishing and its entry goes stale (ignored after ``STALE_AFTER_S``). Every
 KV call runs in a thread under a bounded wait: a slow GCS makes stats late, never a hang.
+
+Ingress replicas publish their request metrics the same way, under a key ``kind`` of their own
+(cluster.metrics.shared): a scrape of /metrics reaches one ingress replica of Serve's choosing,
+which answers for all of them.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from worker.async_engine import EngineStats
@@ -30,10 +34,11 @@ STALE_AFTER_S = 5.0
 FORGET_AFTER_S = 300.0  # entries of replicas gone this long are deleted by the next reader
 KV_TIMEOUT_S = 2.0
 _NAMESPACE = "logitpool"
+POOL = "pool"  # the key kind of worker replicas' engine stats
 
 
-def _prefix(app: str) -> str:
-    return f"pool/{app}/"
+def _prefix(app: str, kind: str) -> str:
+    return f"{kind}/{app}/"
 
 
 def _number(value: float) -> float | None:
@@ -91,36 +96,67 @@ class PoolSnapshot:
         return dataclasses.replace(snap, replica_id=replica_id or snap.replica_id)
 
 
+class Published(Protocol):
+    """What a replica publishes: JSON on the wire, stamped with the wall clock."""
+
+    @property
+    def time(self) -> float: ...
+
+    def to_json(self) -> str: ...
+
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_S = TypeVar("_S", bound=Published)
+# Reads one entry: (raw JSON, replica id from the key) -> snapshot; ValueError/TypeError when bad.
+Parse = Callable[[bytes, str], _S]
 
 
 async def _kv(fn: Callable[_P, _R], *args: _P.args, **kw: _P.kwargs) -> _R:
     return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kw), KV_TIMEOUT_S)
 
 
-async def publish(app: str, replica_id: str, snap: PoolSnapshot) -> None:
+async def publish(app: str, replica_id: str, snap: Published, kind: str = POOL) -> None:
     from ray.experimental.internal_kv import _internal_kv_put
 
-    await _kv(_internal_kv_put, _prefix(app) + replica_id, snap.to_json(), namespace=_NAMESPACE)
+    await _kv(_internal_kv_put, _prefix(app, kind) + replica_id, snap.to_json(), namespace=_NAMESPACE)
 
 
-def _read_all(app: str) -> list[PoolSnapshot]:
+async def publish_logged(
+    app: str, replica_id: str, snapshot: Callable[[], Published], kind: str = POOL, what: str = "engine stats"
+) -> None:
+    """One snapshot to the KV store (bounded by its timeout); a failure is logged, never raised."""
+    try:
+        await publish(app, replica_id, snapshot(), kind)
+    except Exception as exc:  # noqa: BLE001 - stats are best effort; serving, health and exiting still work
+        logger.warning("publishing %s failed: %r", what, exc)
+
+
+async def publish_forever(publish_once: Callable[[], Awaitable[None]]) -> None:
+    """A replica's publisher task (started by its check_health): ``publish_once`` (a
+    `publish_logged`, which never raises) every PUBLISH_INTERVAL_S."""
+    while True:
+        await publish_once()
+        await asyncio.sleep(PUBLISH_INTERVAL_S)
+
+
+def _read_all(app: str, kind: str, parse: Parse[_S]) -> list[_S]:
     from ray.experimental.internal_kv import (
         _internal_kv_del,
         _internal_kv_get,
         _internal_kv_list,
     )
 
+    prefix = _prefix(app, kind)
     out = []
-    for key in _internal_kv_list(_prefix(app), namespace=_NAMESPACE):
+    for key in _internal_kv_list(prefix, namespace=_NAMESPACE):
         raw = _internal_kv_get(key, namespace=_NAMESPACE)
         if not raw:
             continue
         try:
-            snap = PoolSnapshot.from_json(raw, replica_id=key.decode()[len(_prefix(app)) :])
+            snap = parse(raw, key.decode()[len(prefix) :])
         except (TypeError, ValueError):
-            logger.warning("ignoring a malformed pool snapshot under %r", key)
+            logger.warning("ignoring a malformed %s snapshot under %r", kind, key)
             continue
         if time.time() - snap.time > FORGET_AFTER_S:
             _internal_kv_del(key, namespace=_NAMESPACE)
@@ -129,14 +165,19 @@ def _read_all(app: str) -> list[PoolSnapshot]:
     return out
 
 
-async def collect(app: str, stale_after_s: float = STALE_AFTER_S) -> list[PoolSnapshot]:
-    """Fresh snapshots of the application's worker replicas; [] when the KV store is unreachable."""
+async def collect_published(app: str, kind: str, parse: Parse[_S], stale_after_s: float = STALE_AFTER_S) -> list[_S]:
+    """Fresh snapshots of the application's replicas of ``kind``; [] when the KV store is unreachable."""
     try:
-        snaps = await _kv(_read_all, app)
+        snaps = await _kv(_read_all, app, kind, parse)
     except Exception:  # noqa: BLE001 - no stats is an answer ("not healthy"), not an error
         return []
     now = time.time()
     return [s for s in snaps if now - s.time <= stale_after_s]
+
+
+async def collect(app: str, stale_after_s: float = STALE_AFTER_S) -> list[PoolSnapshot]:
+    """Fresh snapshots of the application's worker replicas; [] when the KV store is unreachable."""
+    return await collect_published(app, POOL, PoolSnapshot.from_json, stale_after_s)
 
 
 def num_alive(snaps: Sequence[PoolSnapshot]) -> int:

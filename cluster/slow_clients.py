@@ -19,6 +19,9 @@ cluster). `install` wraps uvicorn's HTTP protocols (httptools and h11 alike) so 
   request whose head starts inside the same read as the previous request's end is counted from
   the next read: at most one read, 64 KiB, more.) h11's own bound (16 KiB by default, answered
   400) is raised to the limit so that both answer the same.
+
+It also returns the proxy's one middleware of ours, `cluster.request_id.SaneRequestIds`: the
+`x-request-id` Serve logs and echoes is bounded and printable.
 """
 
 from __future__ import annotations
@@ -218,9 +221,11 @@ def _widen_h11(cls: Any, max_header_bytes: int) -> None:
 
 
 def install() -> list[Any]:
-    """The proxy callback: patch uvicorn's protocols in this (proxy) process; no middlewares."""
+    """The proxy callback: patch uvicorn's protocols in this (proxy) process; the request-id
+    middleware for Serve to put in front of its own."""
     from uvicorn.protocols.http import h11_impl, httptools_impl
 
+    from cluster import request_id
     from cluster.limits import Limits
 
     timeout_s = float(os.environ.get(TIMEOUT_ENV) or Limits().read_timeout_s)
@@ -231,4 +236,4 @@ def install() -> list[Any]:
     for cls in (httptools_impl.HttpToolsProtocol, h11_impl.H11Protocol):
         _patch(cls, timeout_s, max_header_bytes)
         _bound_write_stalls(cls, stall_s)
-    return []
+    return request_id.middleware()

@@ -18,7 +18,6 @@ flag to skip them would be settable by that same caller, so there is none.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import os
@@ -39,8 +38,6 @@ from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
-# How many received request ids a replica remembers (for operators and tests).
-_SEEN_IDS = 10_000
 # Streams per stream interval a replica sends before it stretches the interval (see _interval):
 # every message costs CPU in this process, the ingress and the proxy, taken from the engine's
 # step on a small box (README, "Served path vs vLLM's server").
@@ -104,11 +101,11 @@ class LogitpoolWorker:
         """``published_blocks``: block digests per routing report (routing.max_published_blocks
         under the cache-aware policy); 0 = no reports."""
         bind_replica_grpc_to_node_ip()
-        self.config, allow_cpu = replica_engine_config(EngineConfig(**engine))
-        check_gpu(allow_cpu, self.config.device)
+        config, allow_cpu = replica_engine_config(EngineConfig(**engine))
+        # The GPUs Ray gave this replica decide its device (none: CPU, whatever CUDA it can see).
+        self.config = dataclasses.replace(config, device=check_gpu(allow_cpu, config.device))
         self.stream_interval_s = stream_interval_s
         self.engine: ServedEngine = engine_factory(self.config)
-        self._seen: collections.deque[str] = collections.deque(maxlen=_SEEN_IDS)
         self._num_requests = 0
         self._publisher: asyncio.Task[None] | None = None
         self._leaving = False
@@ -131,7 +128,6 @@ class LogitpoolWorker:
         request pauses); Serve takes every item at once and buffers it in the caller.
         """
         self._leave_if_dead()
-        self._seen.append(request_id)
         self._num_requests += 1
         window = OutputAccumulator()  # the deltas not sent yet, merged
         last_sent = float("-inf")
@@ -147,10 +143,6 @@ class LogitpoolWorker:
         """The stream interval, stretched once more than _STREAMS_PER_INTERVAL streams run, so a
         replica sends at most ~_STREAMS_PER_INTERVAL / stream_interval_s messages a second."""
         return self.stream_interval_s * max(1.0, self.engine.num_running / _STREAMS_PER_INTERVAL)
-
-    def received(self) -> list[str]:
-        """Request ids this replica was asked to run (most recent last)."""
-        return list(self._seen)
 
     def info(self) -> dict[str, Any]:
         ctx = serve.get_replica_context()
@@ -171,15 +163,7 @@ class LogitpoolWorker:
     async def _publish(self, what: str) -> None:
         """One snapshot to the KV store (bounded by its timeout); a failure is logged, never raised."""
         ctx = serve.get_replica_context()
-        try:
-            await pool_stats.publish(ctx.app_name, ctx.replica_id.unique_id, self.stats())
-        except Exception as exc:  # noqa: BLE001 - stats are best effort; health and exiting still work
-            logger.warning("publishing %s failed: %r", what, exc)
-
-    async def _publish_forever(self) -> None:
-        while True:
-            await self._publish("engine stats")
-            await asyncio.sleep(pool_stats.PUBLISH_INTERVAL_S)
+        await pool_stats.publish_logged(ctx.app_name, ctx.replica_id.unique_id, self.stats, what=what)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Serve's controller calls this every routing.stats_period_s and hands the result to the
@@ -199,7 +183,7 @@ class LogitpoolWorker:
         """Serve calls this every few seconds (serve_config.HEALTH_CHECK_PERIOD_S): unhealthy as soon
         as the engine loop is dead or stalled, so Serve replaces the replica within seconds."""
         if self._publisher is None or self._publisher.done():
-            self._publisher = asyncio.create_task(self._publish_forever())
+            self._publisher = asyncio.create_task(pool_stats.publish_forever(lambda: self._publish("engine stats")))
         self._leave_if_dead()
         if not self.engine.healthy():  # stalled: Serve replaces the replica after a few failed checks
             raise RuntimeError(f"engine loop not healthy: {self.engine.dead!r}")

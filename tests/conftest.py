@@ -31,7 +31,7 @@ settings.load_profile("logitpool")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_SITE = REPO_ROOT / "tests" / "fixtures" / "plugin_site"
 
-from tests.worker.model_fixtures import tiny_loaded, tiny_model, tiny_model_dir, tiny_model_path  # noqa: E402,F401
+from tests.worker.model_fixtures import tiny_loaded, tiny_model, tiny_model_dir, tiny_model_path  # noqa: E402,F401 - fixtures pytest finds by name, after the profile above
 
 
 def free_port() -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.logits_processor.interface import AddedRequest, BatchUpdate, MoveDirectionality, MovedRequest
+from worker.ops.staging import DoubleBuffer
 from worker.sampling_metadata import SamplingMetadata
 from worker.sampling_params import SamplingParams
 
@@ -126,8 +127,11 @@ class PersistentBatch:
         self._num_reqs = 0
         self._index: dict[str, int] = {}
         self._cols: dict[str, torch.Tensor] = {
-            c.name: torch.full((max_num_reqs,), c.default, dtype=c.dtype, pin_memory=pin_memory) for c in COLUMNS
+            c.name: torch.full((max_num_reqs,), c.default, dtype=c.dtype) for c in COLUMNS
         }
+        # The columns reach the device through pinned double buffers: a column is rewritten by the
+        # next update, maybe while its last non-blocking copy is still reading it.
+        self._staging = {c.name: DoubleBuffer(c.dtype, self.device, pin_memory) for c in COLUMNS}
         self._metadata: SamplingMetadata | None = None
 
     # -- reading ---------------------------------------------------------------------------
@@ -148,9 +152,6 @@ class PersistentBatch:
 
     def params_of(self, row: int) -> SamplingParams:
         return self._row(row).params
-
-    def prompt_ids_of(self, row: int) -> list[int] | None:
-        return self._row(row).prompt_ids
 
     def output_ids_of(self, row: int) -> list[int]:
         return self._row(row).output_ids
@@ -278,9 +279,8 @@ class PersistentBatch:
         n = self._num_reqs
         cpu = {name: col[:n] for name, col in self._cols.items()}
 
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            # copy=True: on CPU a plain .to() would alias the column, which later updates overwrite.
-            return t.to(self.device, non_blocking=self.pin_memory, copy=True)
+        def dev(name: str) -> torch.Tensor:
+            return self._staging[name].stage(cpu[name])  # never aliases the column
 
         greedy = cpu["greedy"]
         num_greedy = int(greedy.sum())
@@ -289,15 +289,15 @@ class PersistentBatch:
         asks = cpu["num_logprobs"] >= 0
         rows = [self._row(i) for i in range(n)]
         return SamplingMetadata(
-            temperature=dev(cpu["temperature"]),
-            greedy_mask=dev(greedy),
+            temperature=dev("temperature"),
+            greedy_mask=dev("greedy"),
             all_greedy=num_greedy == n,
             all_random=num_greedy == 0,
-            top_k=dev(cpu["top_k"]) if uses_top_k else None,
-            top_p=dev(cpu["top_p"]) if uses_top_p else None,
+            top_k=dev("top_k") if uses_top_k else None,
+            top_p=dev("top_p") if uses_top_p else None,
             generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None},
             max_num_logprobs=int(cpu["num_logprobs"].max()) if bool(asks.any()) else None,
-            num_logprobs=dev(cpu["num_logprobs"]) if bool(asks.any()) else None,
+            num_logprobs=dev("num_logprobs") if bool(asks.any()) else None,
             logprobs_modes=tuple(r.params.logprobs_mode for r in rows),
             no_penalties=not bool(cpu["uses_penalties"].any()),
         )

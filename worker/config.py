@@ -15,6 +15,20 @@ from worker.sampling_params import DEFAULT_MAX_LOGPROBS
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 
+# The dtype names the engine takes, each to its torch dtype's name (worker.model.loader); with
+# "auto" (the checkpoint's own), what a config file accepts too (cluster.config): one table.
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+DTYPES: tuple[str, ...] = ("auto", *DTYPE_NAMES)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -41,7 +55,9 @@ class EngineConfig:
     # tail, where removing them needs no condense moves.
     reorder_batch: bool = True
     # Paged KV cache: tokens per block, and the pool's size. kv_cache_bytes when set; else on CUDA
-    # kv_cache_memory_fraction of the free memory after loading; else (CPU) max_num_seqs x max_model_len.
+    # kv_cache_memory_fraction of the device's total memory less the weights and the profiled
+    # activation peak (worker.model.memory; replicas sharing a GPU split it: 0.45 each for two);
+    # else (CPU) max_num_seqs x max_model_len.
     block_size: int = 16
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.9
@@ -74,14 +90,19 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # every running sequence decodes a token per step
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= max_num_seqs ({self.max_num_seqs}) so every decode row fits, "
+                f"got {self.max_num_batched_tokens}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes: must be >= 1, got {self.kv_cache_bytes}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory_fraction: must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if not 0.0 < self.kv_cache_memory_fraction < 1.0:  # 1.0 leaves no room for the CUDA context
+            raise ValueError(f"kv_cache_memory_fraction: must be in (0, 1), got {self.kv_cache_memory_fraction}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"

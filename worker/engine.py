@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,8 +28,17 @@ from worker.kv.manager import KVCacheManager
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
-from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model, resolve_max_model_len
-from worker.model.runner import ModelRunner, ScheduledSeq, num_blocks_for
+from worker.model.loader import (
+    LoadedModel,
+    build_tiny_model,
+    default_model_path,
+    load_model,
+    resolve_device,
+    resolve_max_model_len,
+)
+from worker.model.memory import CudaMemory, DeviceMemory, KVBudget
+from worker.model.profile import profiled_kv_budget
+from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.reorder import tail_swaps
@@ -67,11 +77,20 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, loaded: LoadedModel | None = None, memory: DeviceMemory | None = None
+    ) -> None:
+        """``memory``: the device's memory figures for KV sizing (default: CUDA's, on a GPU)."""
         self.config = config
+        device = loaded.device if loaded is not None else resolve_device(config.device)
+        if config.kv_cache_bytes is not None:
+            memory = None  # the pool's size is given: nothing to measure
+        elif memory is None and device.type == "cuda":
+            memory = CudaMemory(device)
+        start = memory.snapshot() if memory is not None else None  # before the weights load
         if loaded is None:
             model = config.model or str(build_tiny_model(default_model_path()))
-            loaded = load_model(model, device=config.device, dtype=config.dtype)
+            loaded = load_model(model, device=device, dtype=config.dtype)
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
@@ -80,12 +99,15 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.max_model_len)
         self.pin_memory = self.device.type == "cuda"
+        kv_bytes = config.kv_cache_bytes
+        # How the pool was sized on a GPU (None: kv_cache_bytes, or CPU's max_num_seqs x max_model_len).
+        self.kv_budget: KVBudget | None = None
+        if memory is not None and start is not None:
+            self.kv_budget = profiled_kv_budget(loaded, config, self.max_model_len, memory, start)
+            logger.info("%s", self.kv_budget.describe())
+            kv_bytes = self.kv_budget.check(block_bytes(loaded, config.block_size))
         num_blocks = num_blocks_for(
-            loaded,
-            config.block_size,
-            kv_cache_bytes=config.kv_cache_bytes,
-            memory_fraction=config.kv_cache_memory_fraction,
-            default_tokens=config.max_num_seqs * self.max_model_len,
+            loaded, config.block_size, kv_cache_bytes=kv_bytes, default_tokens=config.max_num_seqs * self.max_model_len
         )
         self.runner = ModelRunner(
             loaded, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
@@ -346,8 +368,11 @@ class LLMEngine:
             in_batch = [self._requests[rid] for rid in self.batch.req_ids if rid in self._requests]
             self._fail_and_rebuild(in_batch + sched.joining, _phase_error("batch update", exc))
             return False
+        now = time.monotonic()
         for req in sched.joining:
             req.in_batch = True
+            if req.queue_time_s is None:  # the first time only: a preempted one rejoins later
+                req.queue_time_s = now - req.queued_at
         if update is not None:
             self.num_condense_moves += sum(1 for m in update.moved if m[2].name == "UNIDIRECTIONAL")
             self.num_swaps += sum(1 for m in update.moved if m[2].name == "SWAP")
@@ -442,9 +467,7 @@ class LLMEngine:
         tokens = out.sampled_token_ids.tolist()
         errors = out.errors.tolist()
         lp = out.logprobs
-        lp_ids = lp.token_ids.tolist() if lp is not None else None
-        lp_vals = lp.logprobs.tolist() if lp is not None else None
-        lp_ranks = lp.ranks.tolist() if lp is not None else None
+        lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) if lp is not None else None
         for row, chunk in enumerate(rows):
             req = chunk.request
             if errors[row]:
@@ -454,7 +477,8 @@ class LLMEngine:
                 tok = tokens[row]
                 req.output_token_ids.append(tok)
                 req.new_token_ids.append(tok)
-                if req.logprobs is not None and lp_ids is not None:
+                if req.logprobs is not None and lp_lists is not None:
+                    lp_ids, lp_vals, lp_ranks = lp_lists
                     position = self._position_logprobs(
                         req.params.logprobs or 0, lp_ids[row], lp_vals[row], lp_ranks[row]
                     )
@@ -492,10 +516,12 @@ class LLMEngine:
         elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, FinishReason.LENGTH)
 
-    def _finish(self, req: Request, reason: FinishReason, **kw: object) -> None:
+    def _finish(
+        self, req: Request, reason: FinishReason, *, stop_reason: str | int | None = None, error: str | None = None
+    ) -> None:
         if req.finished:
             return
-        req.finish(reason, **kw)  # type: ignore[arg-type]
+        req.finish(reason, stop_reason=stop_reason, error=error)
         self.finish_counts[str(reason)] += 1
         self.scheduler.finish(req)
         self._parents[req.parent_id].dirty.add(req.index)
@@ -600,6 +626,9 @@ class LLMEngine:
             parent.dirty.clear()
             finished = parent.finished
             out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, deltas, finished)
+            out.num_cached_tokens = min(
+                (c.num_cached_tokens for c in parent.children if c.num_cached_tokens is not None), default=None
+            )
             if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
                 parent.prompt_logprobs_sent = True
                 if parent.prompt_logprobs_missing == 0:
@@ -617,7 +646,9 @@ class LLMEngine:
             self._finish(child, FinishReason.ERROR, error=error)
         parent.dirty.clear()
         return [
-            CompletionOutput(c.index, "", c.new_token_ids, None, None, str(c.finish_reason), None, c.error)
+            CompletionOutput(
+                c.index, "", c.new_token_ids, None, None, str(c.finish_reason), None, c.error, c.queue_time_s
+            )
             for c in parent.children
         ]
 
@@ -631,6 +662,7 @@ class LLMEngine:
             finish_reason=str(req.finish_reason) if req.finish_reason else None,
             stop_reason=req.stop_reason,
             error=req.error,
+            queue_time_s=req.queue_time_s if req.finished else None,
         )
         req.new_token_ids = []
         req.new_logprobs = []

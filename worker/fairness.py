@@ -27,10 +27,8 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from worker.config import SCHEDULING_POLICIES
 from worker.request import Request
 
-POLICIES = SCHEDULING_POLICIES
 GroupKey = tuple[str, str]  # (tenant, group)
 
 

@@ -21,17 +21,18 @@ _PROGRESS_MIN_PROMPTS = 16
 
 
 class LLM:
+    # The defaults are EngineConfig's own (its class attributes), stated there once.
     def __init__(
         self,
         model: str | None = None,
         *,
         logits_processors: Sequence[str | type] = (),
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        device: str | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+        max_model_len: int | None = EngineConfig.max_model_len,
+        device: str | None = EngineConfig.device,
+        dtype: str = EngineConfig.dtype,
+        seed: int = EngineConfig.seed,
         loaded: LoadedModel | None = None,
         **engine_kwargs: Any,
     ) -> None:

@@ -49,6 +49,9 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     # Set when finish_reason == "error".
     error: str | None = None
+    # Seconds from the engine receiving the sequence to its first step in the batch (vLLM's
+    # queue time); set on the sequence's last output only, which the ingress's metrics read.
+    queue_time_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +68,10 @@ class RequestOutput:
     # One entry per prompt token (the first is None: nothing precedes it), when the request asked
     # for prompt_logprobs; sent once, in the request's first output.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Prompt tokens whose KV came from the prefix cache when the prompt was first admitted (the
+    # fewest over its n sequences; vLLM's field, OpenAI's usage.prompt_tokens_details.cached_tokens).
+    # None until one of its sequences is admitted.
+    num_cached_tokens: int | None = None
 
 
 class OutputAccumulator:
@@ -83,6 +90,8 @@ class OutputAccumulator:
             self._out = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids)
         if delta.prompt_logprobs is not None:
             self._out.prompt_logprobs = delta.prompt_logprobs
+        if delta.num_cached_tokens is not None:
+            self._out.num_cached_tokens = delta.num_cached_tokens
         for d in delta.outputs:
             cur = self._by_index.get(d.index)
             if cur is None:
@@ -96,6 +105,8 @@ class OutputAccumulator:
             cur.finish_reason = d.finish_reason
             cur.stop_reason = d.stop_reason
             cur.error = d.error
+            if d.queue_time_s is not None:
+                cur.queue_time_s = d.queue_time_s
         self._out.outputs = [self._by_index[i] for i in sorted(self._by_index)]
         self._out.finished = delta.finished
         return self._out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,9 @@ class Request:
     # Seeded requests keep one generator for life, so a preempted one resumes its random stream.
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # Prompt tokens served from the prefix cache at this sequence's first admission (vLLM's
+    # num_cached_tokens: a recomputation after preemption does not change it).
+    num_cached_tokens: int | None = None
     in_batch: bool = False
     # This sequence computes its parent's prompt logprobs: its prefill reuses no cached blocks.
     computes_prompt_logprobs: bool = False
@@ -60,6 +64,9 @@ class Request:
     arrival: int = 0
     # Held out of the batch because its consumer is behind (AsyncEngine's stream bound).
     paused: bool = False
+    # When the engine received it (monotonic), and how long it then waited for its first step.
+    queued_at: float = field(default_factory=time.monotonic)
+    queue_time_s: float | None = None
     # What the last step produced, handed out once as a delta.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[PositionLogprobs] = field(default_factory=list)
@@ -89,10 +96,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.prompt_len
 
     @property
     def num_pending_tokens(self) -> int:

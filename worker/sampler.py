@@ -1,4 +1,5 @@
-"""The batched sampler (docs/sampling.md "The nine steps"): one token per row of ``(logits, metadata)``; the order is the contract.
+"""The batched sampler (docs/sampling.md "The nine steps"): one token per row of
+``(logits, metadata)``; the order is the contract.
 
 1 keep raw logprobs / logits for rows that ask (before anything writes the logits)
 2 float32
@@ -6,12 +7,16 @@
   logit bias, custom ones); an exception becomes ``ProcessorError(name, "apply", exc)``
 6 penalties, unless no row uses one
 7 greedy rows: argmax now (lowest id wins a tie), before temperature
-7a temperature, in place (greedy rows divide by 1)
+7a temperature, in place (greedy rows would divide by 1: they are skipped)
 7b argmax-invariant processors (Min-P, ...) - not called at all when every row is greedy
 7c top-k (exactly k, ties toward lower ids), then top-p (smallest prefix reaching p)
 7d an exact inverse-CDF draw, one float64 uniform per row; seeded rows use their own generator
 8 logprobs: top-K of the row's source, the sampled token's logprob and 1-based rank
 9 return
+
+One call's state lives in a ``_Call`` that each step method takes and fills in; the step's
+large temporaries live in the named slots of ``_Scratch``. Kernels read a group's rows in place,
+a run of consecutive rows at a time (``plan.Run``), rather than from a gathered copy.
 
 Non-finite logits, row by row (checked once after step 6 by ``ops.non_finite`` on the block
 maxima, which greedy argmax then reuses; one host read, nothing more in the common all-finite
@@ -21,8 +26,8 @@ a draw is uniform among them; a row holding NaN fails. A row left with no finite
 gets ``errors[row] = True``, token -1 and a message in ``error_messages``; the others are not
 affected. Host reads: the plan is read once per metadata object (i.e. per batch change); per
 step, the small routing flags (top-k ties, top-p probe hits, row validity, logprob ties) are
-read together in one transfer. Rows whose top-p nucleus does not fit the probe take a
-``nonzero`` (one more sync on CUDA), and processed-mode logprob top-K one more read.
+read together in one transfer (``ops.host_reads``). Rows whose top-p nucleus does not fit the
+probe take a ``nonzero`` (one more sync on CUDA), and processed-mode logprob top-K one more read.
 """
 
 from __future__ import annotations
@@ -36,24 +41,29 @@ import torch
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import LogitsProcessor
 from worker.ops.blocks import block_reduce, block_size
-from worker.ops.draw import draw_rows, draw_weights, row_block_sums, row_total, uniforms
-from worker.ops.logprobs import sampled_logprob_and_rank, to_logprobs_
+from worker.ops.draw import draw_rows, draw_weights, row_block_sums, row_total, softmax_rows, uniforms
+from worker.ops.host_reads import HostReads
+from worker.ops.logprobs import logprob_rows, sampled_logprob_and_rank, to_logprobs_
 from worker.ops.non_finite import resolve_non_finite_
-from worker.ops.plan import SamplingPlan, build_plan
+from worker.ops.plan import RowGroup, SamplingPlan, build_plan
+from worker.ops.scratch import Buffer
 from worker.ops.select import ambiguous, resolve_topk, row_argmax, sort_by_value_then_id, topk_candidates
-from worker.ops.topk_topp import top_p_histogram_, top_p_keep, top_p_probe
-from worker.ops.workspace import Workspace
+from worker.ops.topk_topp import TopPScratch, top_p_histogram_, top_p_keep, top_p_probe
 from worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
 
 
 class ProcessorSet(Protocol):
-    """What the sampler needs of the loaded processors (``registry.LogitsProcessors``)."""
+    """What the sampler needs of the loaded processors (``registry.LogitsProcessors``); read-only
+    properties, so that a set holding lists (or a penalties subclass) conforms."""
 
-    non_argmax_invariant: Sequence[LogitsProcessor]
-    argmax_invariant: Sequence[LogitsProcessor]
-    penalties: LogitsProcessor
+    @property
+    def non_argmax_invariant(self) -> Sequence[LogitsProcessor]: ...
+    @property
+    def argmax_invariant(self) -> Sequence[LogitsProcessor]: ...
+    @property
+    def penalties(self) -> LogitsProcessor: ...
 
 
 @dataclass(frozen=True)
@@ -86,73 +96,175 @@ class SamplerOutput:
     error_messages: dict[int, str] = field(default_factory=dict)
 
 
-class _HostRead:
-    """Small device results collected so that they reach the host in one transfer."""
-
-    def __init__(self) -> None:
-        self._parts: list[torch.Tensor] = []
-        self._values: list[list[int]] = []
-
-    def add(self, t: torch.Tensor) -> int:
-        self._parts.append(t.reshape(-1).to(torch.int64))
-        return len(self._parts) - 1
-
-    def get(self, handle: int) -> list[int]:
-        if handle >= len(self._values):
-            new = self._parts[len(self._values) :]
-            flat = torch.cat(new).tolist()
-            for t in new:
-                self._values.append(flat[: t.numel()])
-                flat = flat[t.numel() :]
-        return self._values[handle]
-
-
 @dataclass
+class _Scratch:
+    """The sampler's large temporaries, one slot per use; each is reused from call to call."""
+
+    raw: Buffer = field(default_factory=Buffer)  # 1: the raw logprobs (or logits) of the rows asking
+    probs: Buffer = field(default_factory=Buffer)  # 7c: the full rows' probabilities
+    nucleus: Buffer = field(default_factory=Buffer)  # 7c: scattered top-p rows, gathered for the histogram
+    rank: Buffer = field(default_factory=Buffer)  # 8: the rank count's 0/1 floats
+    top_p: TopPScratch = field(default_factory=TopPScratch)  # 7c: the histogram's own
+
+
+@dataclass(frozen=True)
 class _Candidates:
-    """Rows sampled among candidate lists in top-p order: ids and kept mask."""
+    """Random rows drawn among candidate lists (top-k rows, probe hits): ids in top-p order, kept mask."""
 
     ids: torch.Tensor
     keep: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _ExactTopK:
+    """An exact top-k (``ops.select``) between its halves: the candidates, and the queued flags of
+    the rows whose ties straddle the k-th place, which ``finish`` resolves once they are read."""
+
+    vals: torch.Tensor
+    ids: torch.Tensor
+    k: torch.Tensor  # [n] each row's own k
+    kmax: int
+    rows: RowGroup | None  # rows of x the candidates come from (None: all, in order)
+    tied: int  # HostReads handle
+
+    @staticmethod
+    def start(
+        x: torch.Tensor,
+        k: torch.Tensor,
+        kmax: int,
+        host: HostReads,
+        rows: RowGroup | None = None,
+        *,
+        finite_ties_only: bool = False,
+    ) -> _ExactTopK:
+        vals, ids = topk_candidates(x, kmax, rows)
+        tied = ambiguous(vals, k)
+        if finite_ties_only:  # ties of -inf at the k-th place change no draw (they carry no mass)
+            tied &= torch.isfinite(vals.gather(1, (k - 1)[:, None]).squeeze(1))
+        return _ExactTopK(vals, ids, k, kmax, rows, host.queue(tied))
+
+    def finish(self, x: torch.Tensor, host: HostReads) -> tuple[torch.Tensor, torch.Tensor]:
+        tied = [i for i, a in enumerate(host.read(self.tied)) if a]
+        index = None if self.rows is None else self.rows.index
+        return resolve_topk(x, self.vals, self.ids, self.k, self.kmax, tied, rows=index)
+
+
+@dataclass(frozen=True)
+class _LogprobRows:
+    """Step 8's input for one row group: its logprob (or logit) rows and their top-K in flight."""
+
+    rows: RowGroup
+    src: torch.Tensor  # [len(rows), V]
+    topk: _ExactTopK | None  # None: the rows asked for no top-K
+
+    @staticmethod
+    def start(rows: RowGroup, src: torch.Tensor, num_logprobs: int | None, host: HostReads) -> _LogprobRows:
+        k = min(num_logprobs or 0, src.shape[1])
+        if k <= 0:
+            return _LogprobRows(rows, src, None)
+        kk = torch.full((src.shape[0],), k, dtype=torch.int64, device=src.device)
+        return _LogprobRows(rows, src, _ExactTopK.start(src, kk, k, host))
+
+
 @dataclass
-class _Drawn:
-    """What the random path leaves for processed logprobs."""
+class _Call:
+    """One ``Sampler.__call__``: the logits being processed and what the steps have decided so far."""
 
-    topk: _Candidates | None = None
-    probe: _Candidates | None = None
-    probe_hits: list[int] | None = None
-    probs: torch.Tensor | None = None  # [nf, V] full-row probabilities after top-p
-    histogram_rows: tuple[int, ...] = ()
+    x: torch.Tensor  # [B, V] float32, processed in place
+    plan: SamplingPlan
+    scratch: _Scratch
+    host: HostReads
+    tokens: torch.Tensor  # [B] int64
+    ok: torch.Tensor  # [B] bool
+    bmax: torch.Tensor | None = None  # block maxima after step 6: the non-finite check, greedy argmax
+    nan_rows: torch.Tensor | None = None  # [B] bool, None when no row held NaN
+    raw: _LogprobRows | None = None  # 1
+    greedy_processed: torch.Tensor | None = None  # 7: the processed-mode rows as step 7 saw them
+    topk: _TopKRows | None = None  # 7c-7d
+    full: _FullRows | None = None  # 7c-7d
+
+    def decide(self, rows: RowGroup, tokens: torch.Tensor, ok: torch.Tensor) -> None:
+        self.tokens.index_copy_(0, rows.index, tokens)
+        self.ok.index_copy_(0, rows.index, ok)
 
 
-@dataclass
 class _TopKRows:
-    """Phase 1 of the top-k rows: top-(kmax+1) candidates and the ambiguity flags' handle."""
+    """7c-7d for the rows with 0 < top_k < V: exact top-k, top-p over the renormalised candidates,
+    the draw among them. The constructor queues the tie flags; ``draw`` runs after they are read."""
 
-    vals: torch.Tensor
-    ids: torch.Tensor
-    ambiguous: int
+    def __init__(self, call: _Call) -> None:
+        plan = call.plan
+        self._topk = _ExactTopK.start(call.x, plan.topk_k, plan.topk_kmax, call.host, plan.topk, finite_ties_only=True)
+        self.kept: _Candidates | None = None  # set by draw
+
+    def draw(self, call: _Call, u: torch.Tensor) -> None:
+        plan = call.plan
+        vals, ids = self._topk.finish(call.x, call.host)
+        in_k = torch.arange(plan.topk_kmax, device=vals.device)[None, :] < plan.topk_k[:, None]
+        q = torch.softmax(vals.masked_fill(~in_k, _NEG_INF), -1)
+        perm = _order_by_prob(q, ids)
+        ids, q, in_k = ids.gather(1, perm), q.gather(1, perm), in_k.gather(1, perm)
+        keep = top_p_keep(q, plan.topk_p) & in_k
+        col, row_ok = draw_weights(q * keep, u)
+        call.decide(plan.topk, ids.gather(1, col[:, None]).squeeze(1), row_ok)
+        self.kept = _Candidates(ids, keep)
 
 
-@dataclass
 class _FullRows:
-    """Phase 1 of the full-vocabulary rows: probabilities, block sums, probe, read handles."""
+    """7c-7d for the other random rows: softmax over the vocabulary, top-p (the probe, else the
+    histogram), the two-level inverse-CDF draw. The constructor queues the rows' validity and
+    probe flags; ``draw`` runs after they are read."""
 
-    probs: torch.Tensor
-    bsum: torch.Tensor
-    valid: int
-    probe: _Candidates | None = None
-    probe_probs: torch.Tensor | None = None
-    probe_hits: int = -1
+    def __init__(self, call: _Call) -> None:
+        plan, ntp = call.plan, call.plan.n_top_p
+        self.probs = softmax_rows(
+            call.x, plan.full, call.scratch.probs.take((len(plan.full), plan.vocab_size), torch.float32, call.x.device)
+        )
+        self._bsum = row_block_sums(self.probs)
+        totals = row_total(self._bsum.to(torch.float64))
+        self._valid = call.host.queue((totals > 0) & torch.isfinite(totals))
+        self.probe: _Candidates | None = None
+        self.hits: list[int] = []  # per top-p row, set by draw: the probe settled its nucleus
+        self.histogram_rows: tuple[int, ...] = ()  # set by draw: top-p rows cut by the histogram
+        if ntp:
+            ids, self._probe_probs, keep, hit = top_p_probe(self.probs[:ntp], plan.top_p, totals[:ntp])
+            self.probe, self._hits = _Candidates(ids, keep), call.host.queue(hit)
 
+    def draw(self, call: _Call, u: torch.Tensor) -> None:
+        plan, ntp = call.plan, call.plan.n_top_p
+        valid = call.host.read(self._valid)
+        self.hits = call.host.read(self._hits) if ntp else []
+        self.histogram_rows = tuple(i for i in range(ntp) if valid[i] and not self.hits[i])
+        if self.histogram_rows:
+            self._nucleus_by_histogram(call, valid)
+        tok, row_ok = draw_rows(self.probs, u, self._bsum)
+        if any(self.hits):
+            assert self.probe is not None
+            col, _ = draw_weights(self._probe_probs * self.probe.keep, u[:ntp])
+            hit = torch.tensor(self.hits, dtype=torch.bool, device=tok.device)
+            tok[:ntp] = torch.where(hit, self.probe.ids.gather(1, col[:, None]).squeeze(1), tok[:ntp])
+        call.decide(plan.full, tok, row_ok)
 
-@dataclass
-class _PendingTopK:
-    vals: torch.Tensor
-    ids: torch.Tensor
-    k: int
-    handle: int
+    def _nucleus_by_histogram(self, call: _Call, valid: list[int]) -> None:
+        """Top-p on ``histogram_rows`` in place; their block sums refreshed.
+
+        When those rows nearly fill a slice of ``probs`` (every row in it valid), the slice is
+        cut in place: the probe-settled rows among them lose only what top-p removes, which no
+        later step reads. Otherwise the rows are gathered, cut and written back.
+        """
+        rows, top_p = self.histogram_rows, call.plan.top_p
+        lo, hi = rows[0], rows[-1] + 1
+        if (hi - lo) - len(rows) <= len(rows) // 4 and all(valid[lo:hi]):
+            part = self.probs[lo:hi]
+            top_p_histogram_(part, top_p[lo:hi], call.scratch.top_p)
+            self._bsum[lo:hi] = row_block_sums(part)
+            return
+        idx = torch.tensor(rows, device=self.probs.device)
+        out = call.scratch.nucleus.take((len(rows), self.probs.shape[1]), self.probs.dtype, self.probs.device)
+        part = torch.index_select(self.probs, 0, idx, out=out)
+        top_p_histogram_(part, top_p.index_select(0, idx), call.scratch.top_p)
+        self.probs.index_copy_(0, idx, part)
+        self._bsum.index_copy_(0, idx, row_block_sums(part))
 
 
 def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
@@ -163,6 +275,13 @@ def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
     if out is not logits:
         out = out.to(torch.float32).contiguous()
     return out
+
+
+def _keep_only(out: torch.Tensor, x: torch.Tensor, cand: _Candidates, i: int) -> None:
+    """Row ``out`` [V] becomes -inf but at the candidates row ``i`` of ``cand`` kept, which take ``x``'s values."""
+    kept = torch.where(cand.keep[i], x[cand.ids[i]], _NEG_INF)
+    out.fill_(_NEG_INF)
+    out[cand.ids[i]] = kept
 
 
 def _order_by_prob(q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -180,7 +299,7 @@ class Sampler:
         self.generator = generator
         self._plan_key: tuple[SamplingMetadata, int, torch.device] | None = None
         self._plan: SamplingPlan | None = None
-        self._workspaces: dict[torch.device, Workspace] = {}
+        self._scratch = _Scratch()
 
     def _plan_for(self, md: SamplingMetadata, logits: torch.Tensor) -> SamplingPlan:
         key = (md, logits.shape[1], logits.device)
@@ -191,48 +310,46 @@ class Sampler:
             self._plan_key = key
         return self._plan
 
-    def _workspace(self, device: torch.device) -> Workspace:
-        if device not in self._workspaces:
-            self._workspaces[device] = Workspace(device)
-        return self._workspaces[device]
-
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, *, pristine: torch.Tensor | None = None
     ) -> SamplerOutput:
         """Sample one token per row. float32 ``logits`` are processed in place; ``pristine`` (an
         untouched copy, when the caller keeps one) lets a NaN be traced to the processor that made it.
         """
-        plan = self._plan_for(metadata, logits)
-        ws = self._workspace(logits.device)
-        host = _HostRead()
-        x = logits if logits.dtype == torch.float32 else logits.float()  # 2
-        x = x.contiguous()
-        if pristine is None and x is not logits:
+        call = self._start(logits, metadata)  # 2
+        if pristine is None and call.x is not logits:
             pristine = logits
-        raw = self._keep_raw(x, plan, ws, host)  # 1 (reads the float32 logits before any write)
-        x = self._before_sampling(x, metadata)  # 3-6
-        # Block maxima: the non-finite check reads them, and greedy rows reuse them for argmax.
-        bmax = block_reduce(x, block_size(x.shape[1]), "amax")
-        nan_rows = resolve_non_finite_(x, bmax)
-        if nan_rows is not None:
-            bmax = None  # rows were rewritten
+        call.raw = self._keep_raw(call)  # 1 (reads the float32 logits before any write)
+        call.x = self._before_sampling(call.x, metadata)  # 3-6
+        self._non_finite(call)
+        self._greedy(call)  # 7
+        if not call.plan.all_greedy:
+            self._temperature_and_invariant(call)  # 7a-7b
+            self._top_k_top_p_and_draw(call)  # 7c-7d
+        if call.nan_rows is not None:
+            call.ok &= ~call.nan_rows
+        call.tokens = torch.where(call.ok, call.tokens, -1)
+        logprobs = self._logprobs(call)  # 8
+        return SamplerOutput(call.tokens, logprobs, ~call.ok, self._error_messages(call, pristine, metadata))  # 9
 
-        tokens = torch.full((plan.batch_size,), -1, dtype=torch.int64, device=x.device)
-        ok = torch.ones(plan.batch_size, dtype=torch.bool, device=x.device)
-        greedy_processed = self._greedy(x, plan, ws, tokens, ok, bmax)  # 7
-        drawn = None
-        if not plan.all_greedy:
-            x = self._temperature_and_invariant(x, plan)  # 7a-7b
-            drawn = self._draw(x, plan, ws, host, tokens, ok)  # 7c-7d
-        if nan_rows is not None:
-            ok &= ~nan_rows
-        tokens = torch.where(ok, tokens, -1)
-        logprobs = self._logprobs(x, plan, ws, host, tokens, raw, greedy_processed, drawn)  # 8
-        # Failed rows need a message beyond the default (every token excluded) only for NaN: from
-        # steps 3-6 (known here) or from an argmax-invariant processor (7b ran: look, one read).
-        may_nan = nan_rows is not None or (not plan.all_greedy and not bool(ok.all()))
-        messages = self._error_messages(ok, x, nan_rows, pristine, metadata, plan) if may_nan else {}
-        return SamplerOutput(tokens, logprobs, ~ok, messages)  # 9
+    def _start(self, logits: torch.Tensor, metadata: SamplingMetadata) -> _Call:
+        plan = self._plan_for(metadata, logits)
+        x = (logits if logits.dtype == torch.float32 else logits.float()).contiguous()  # 2
+        b, dev = plan.batch_size, x.device
+        tokens = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        return _Call(x, plan, self._scratch, HostReads(), tokens, torch.ones(b, dtype=torch.bool, device=dev))
+
+    # -- step 1 ----------------------------------------------------------------------------
+
+    def _keep_raw(self, call: _Call) -> _LogprobRows | None:
+        plan = call.plan
+        if not len(plan.raw):
+            return None
+        out = call.scratch.raw.take((len(plan.raw), call.x.shape[1]), torch.float32, call.x.device)
+        src = logprob_rows(call.x, plan.raw, plan.raw_modes, out)
+        return _LogprobRows.start(plan.raw, src, plan.num_logprobs, call.host)
+
+    # -- steps 3-6 and the non-finite check ------------------------------------------------
 
     def _before_sampling(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Steps 3-6: the non-argmax-invariant processors in registry order, then penalties."""
@@ -242,26 +359,115 @@ class Sampler:
             x = _apply(self.processors.penalties, x)
         return x
 
-    def _temperature_and_invariant(self, x: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
-        x.div_(plan.divisor)  # 7a
+    @staticmethod
+    def _non_finite(call: _Call) -> None:
+        # Block maxima: the non-finite check reads them, and greedy rows reuse them for argmax.
+        call.bmax = block_reduce(call.x, block_size(call.x.shape[1]), "amax")
+        call.nan_rows = resolve_non_finite_(call.x, call.bmax)
+
+    # -- step 7 ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _greedy(call: _Call) -> None:
+        """Greedy tokens: the argmax reads only each row's winning block (``call.bmax`` has the rest)."""
+        plan = call.plan
+        if not len(plan.greedy):
+            return
+        vals, ids = row_argmax(call.x, call.bmax, rows=None if plan.all_greedy else plan.greedy.index)
+        call.decide(plan.greedy, ids, torch.isfinite(vals))
+        if len(plan.processed):
+            # Greedy rows' processed logits are fixed here: 7b must not change a greedy row's results.
+            call.greedy_processed = call.x.index_select(0, plan.processed.index)
+
+    def _temperature_and_invariant(self, call: _Call) -> None:
+        x, plan = call.x, call.plan
+        assert plan.divisor is not None  # None only when every row is greedy, and then 7 ends here
+        for r in plan.random.runs:  # 7a
+            x[r.batch : r.batch + r.length].div_(plan.divisor[r.batch : r.batch + r.length])
         for p in self.processors.argmax_invariant:  # 7b
             x = _apply(p, x)
-        return x
+        call.x = x
+
+    def _top_k_top_p_and_draw(self, call: _Call) -> None:
+        """7c-7d for every random row. Both row groups queue their routing flags before either
+        reads one, so the first read brings them all (and step 1's) in one transfer."""
+        plan = call.plan
+        u = uniforms(plan.random_rows, plan.generators, self.generator, call.x.device)
+        nk = len(plan.topk)
+        call.topk = _TopKRows(call) if nk else None
+        call.full = _FullRows(call) if len(plan.full) else None
+        if call.topk is not None:
+            call.topk.draw(call, u[:nk])
+        if call.full is not None:
+            call.full.draw(call, u[nk:])
+
+    # -- step 8 ----------------------------------------------------------------------------
+
+    def _logprobs(self, call: _Call) -> LogprobsTensors | None:
+        plan = call.plan
+        if plan.num_logprobs is None:
+            return None
+        b, k, dev = plan.batch_size, plan.num_logprobs, call.x.device
+        ids_out = torch.full((b, k + 1), -1, dtype=torch.int64, device=dev)
+        ids_out[:, 0] = call.tokens
+        lp_out = torch.full((b, k + 1), float("nan"), dtype=torch.float32, device=dev)
+        ranks = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        sources = [call.raw] if call.raw is not None else []
+        if len(plan.processed):
+            src = to_logprobs_(self._processed_logits(call), plan.processed_modes)
+            sources.append(_LogprobRows.start(plan.processed, src, plan.num_logprobs, call.host))
+        for s in sources:
+            rows = s.rows.index
+            lp, rank = sampled_logprob_and_rank(s.src, call.tokens.index_select(0, rows), call.scratch.rank)
+            lp_out[rows, 0] = lp
+            ranks[rows] = rank
+            if s.topk is not None:
+                vals, ids = sort_by_value_then_id(*s.topk.finish(s.src, call.host))
+                lp_out[rows, 1 : 1 + s.topk.kmax] = vals
+                ids_out[rows, 1 : 1 + s.topk.kmax] = ids
+        return LogprobsTensors(ids_out, lp_out, ranks)
+
+    @staticmethod
+    def _processed_logits(call: _Call) -> torch.Tensor:
+        """Logits after 7c of the rows asking a processed mode: -inf where top-k/top-p removed a token.
+
+        Opt-in and rare, so this walks those rows (device ops only, no host reads).
+        """
+        x, plan = call.x, call.plan
+        out = x.index_select(0, plan.processed.index)
+        greedy = set(plan.greedy.rows)
+        topk_pos = {r: i for i, r in enumerate(plan.topk.rows)}
+        full_pos = {r: i for i, r in enumerate(plan.full.rows)}
+        for local, r in enumerate(plan.processed.rows):
+            if r in greedy:
+                assert call.greedy_processed is not None
+                out[local] = call.greedy_processed[local]
+            elif r in topk_pos:
+                assert call.topk is not None and call.topk.kept is not None
+                _keep_only(out[local], x[r], call.topk.kept, topk_pos[r])
+            else:
+                full, i = call.full, full_pos[r]
+                assert full is not None
+                if i < plan.n_top_p and full.hits[i]:
+                    assert full.probe is not None
+                    _keep_only(out[local], x[r], full.probe, i)
+                elif i in full.histogram_rows:
+                    out[local] = torch.where(full.probs[i] > 0, out[local], _NEG_INF)
+        return out
 
     # -- errors (only when a row failed) ---------------------------------------------------------
 
-    def _error_messages(
-        self,
-        ok: torch.Tensor,
-        x: torch.Tensor,
-        nan_rows: torch.Tensor | None,
-        pristine: torch.Tensor | None,
-        metadata: SamplingMetadata,
-        plan: SamplingPlan,
-    ) -> dict[int, str]:
-        """Per failed row: NaN (before or after step 7b) or every token excluded."""
-        bad = (~ok).nonzero().flatten().tolist()
-        nan_now = torch.isnan(x[bad]).any(-1).tolist()
+    def _error_messages(self, call: _Call, pristine: torch.Tensor | None, metadata: SamplingMetadata) -> dict[int, str]:
+        """Per failed row: NaN (before or after step 7b) or every token excluded.
+
+        Only NaN needs a message beyond the default (every token excluded): from steps 3-6 (known
+        already) or from an argmax-invariant processor (7b ran: look, one read).
+        """
+        plan, nan_rows = call.plan, call.nan_rows
+        if nan_rows is None and (plan.all_greedy or bool(call.ok.all())):
+            return {}
+        bad = (~call.ok).nonzero().flatten().tolist()
+        nan_now = torch.isnan(call.x[bad]).any(-1).tolist()
         nan_before = nan_rows[bad].tolist() if nan_rows is not None else [False] * len(bad)
         nan = [r for r, a, b in zip(bad, nan_now, nan_before) if a or b]
         sources = self._nan_sources(pristine, nan, metadata, plan) if nan and pristine is not None else {}
@@ -298,6 +504,7 @@ class Sampler:
                 note(f"logits processor {type(p).__name__}")
             if not plan.all_greedy:
                 resolve_non_finite_(y)
+                assert plan.divisor is not None  # a plan with random rows has one
                 y.div_(plan.divisor)
                 for p in self.processors.argmax_invariant:
                     y = _apply(p, y)
@@ -305,233 +512,3 @@ class Sampler:
         except ProcessorError:
             pass  # the replay is best effort: the row fails either way
         return found
-
-    # -- step 1 ----------------------------------------------------------------------------
-
-    def _keep_raw(
-        self, x: torch.Tensor, plan: SamplingPlan, ws: Workspace, host: _HostRead
-    ) -> tuple[torch.Tensor, _PendingTopK | None] | None:
-        if not len(plan.raw):
-            return None
-        src = ws.get("raw_src", (len(plan.raw), x.shape[1]), torch.float32)
-        if plan.raw.rows == tuple(range(plan.batch_size)):
-            src.copy_(x)
-        else:
-            torch.index_select(x, 0, plan.raw.index, out=src)
-        to_logprobs_(src, plan.raw_modes)
-        return src, self._logprob_topk_phase1(src, plan, host)
-
-    # -- step 7 ----------------------------------------------------------------------------
-
-    def _greedy(
-        self,
-        x: torch.Tensor,
-        plan: SamplingPlan,
-        ws: Workspace,
-        tokens: torch.Tensor,
-        ok: torch.Tensor,
-        bmax: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """Greedy tokens into ``tokens``/``ok``; returns the processed-logits snapshot of greedy rows.
-
-        ``bmax``: the block maxima of ``x`` when the caller has them (saves the argmax its read pass).
-        """
-        if not len(plan.greedy):
-            return None
-        g = plan.greedy.index
-        if 3 * len(plan.greedy) < plan.batch_size:  # few greedy rows: gathering them beats a full read
-            rows = torch.index_select(x, 0, g, out=ws.get("greedy_rows", (len(plan.greedy), x.shape[1]), x.dtype))
-            vals, ids = row_argmax(rows, None if bmax is None else bmax.index_select(0, g))
-        else:
-            vals, ids = (t.index_select(0, g) for t in row_argmax(x, bmax))
-        tokens.index_copy_(0, g, ids)
-        ok.index_copy_(0, g, torch.isfinite(vals))
-        # Greedy rows' processed logits are fixed here: 7b must not change a greedy row's results.
-        return x.index_select(0, plan.processed.index) if len(plan.processed) else None
-
-    def _draw(
-        self,
-        x: torch.Tensor,
-        plan: SamplingPlan,
-        ws: Workspace,
-        host: _HostRead,
-        tokens: torch.Tensor,
-        ok: torch.Tensor,
-    ) -> _Drawn:
-        """7c-7d for every random row; writes ``tokens`` and ``ok``.
-
-        Both row groups first queue their small routing results (phase 1), which the first
-        phase-2 ``host.get`` reads in one transfer.
-        """
-        u = uniforms(plan.random_rows, plan.generators, self.generator, x.device)
-        nk = len(plan.topk)
-        drawn = _Drawn()
-        topk = self._topk_phase1(x, plan, host) if nk else None
-        full = self._full_phase1(x, plan, ws, host) if len(plan.full) else None
-        if topk is not None:
-            tok, row_ok, drawn.topk = self._topk_phase2(x, plan, host, topk, u[:nk])
-            tokens.index_copy_(0, plan.topk.index, tok)
-            ok.index_copy_(0, plan.topk.index, row_ok)
-        if full is not None:
-            tok, row_ok = self._full_phase2(plan, ws, host, full, u[nk:], drawn)
-            tokens.index_copy_(0, plan.full.index, tok)
-            ok.index_copy_(0, plan.full.index, row_ok)
-        return drawn
-
-    @staticmethod
-    def _topk_phase1(x: torch.Tensor, plan: SamplingPlan, host: _HostRead) -> _TopKRows:
-        vals, ids = topk_candidates(x, plan.topk_kmax, rows=plan.topk.index)
-        # Ties of -inf at the k-th place change nothing observable (they carry no mass).
-        kth_finite = torch.isfinite(vals.gather(1, (plan.topk_k - 1)[:, None]).squeeze(1))
-        return _TopKRows(vals, ids, host.add(ambiguous(vals, plan.topk_k) & kth_finite))
-
-    @staticmethod
-    def _topk_phase2(
-        x: torch.Tensor, plan: SamplingPlan, host: _HostRead, pending: _TopKRows, u: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, _Candidates]:
-        """Exact top-k, then top-p over the renormalised candidates, then the draw among them."""
-        kmax = plan.topk_kmax
-        amb_rows = [i for i, a in enumerate(host.get(pending.ambiguous)) if a]
-        vals, ids = resolve_topk(x, pending.vals, pending.ids, plan.topk_k, kmax, amb_rows, rows=plan.topk.index)
-        in_k = torch.arange(kmax, device=x.device)[None, :] < plan.topk_k[:, None]
-        q = torch.softmax(vals.masked_fill(~in_k, _NEG_INF), -1)
-        perm = _order_by_prob(q, ids)
-        ids, q, in_k = ids.gather(1, perm), q.gather(1, perm), in_k.gather(1, perm)
-        keep = top_p_keep(q, plan.topk_p) & in_k
-        col, row_ok = draw_weights(q * keep, u)
-        return ids.gather(1, col[:, None]).squeeze(1), row_ok, _Candidates(ids, keep)
-
-    @staticmethod
-    def _full_phase1(x: torch.Tensor, plan: SamplingPlan, ws: Workspace, host: _HostRead) -> _FullRows:
-        """Softmax of the full rows, their block sums, and the top-p probe of the top-p rows."""
-        b, v = x.shape
-        probs = ws.get("probs", (len(plan.full), v), torch.float32)
-        if plan.full.rows == tuple(range(b)):
-            torch.softmax(x, -1, out=probs)
-        else:
-            torch.softmax(torch.index_select(x, 0, plan.full.index, out=probs), -1, out=probs)
-        bsum = row_block_sums(probs)
-        totals = row_total(bsum.to(torch.float64))
-        pending = _FullRows(probs, bsum, host.add((totals > 0) & torch.isfinite(totals)))
-        if plan.n_top_p:
-            ids, top, keep, hit = top_p_probe(probs[: plan.n_top_p], plan.top_p, totals[: plan.n_top_p])
-            pending.probe, pending.probe_probs, pending.probe_hits = _Candidates(ids, keep), top, host.add(hit)
-        return pending
-
-    def _full_phase2(
-        self, plan: SamplingPlan, ws: Workspace, host: _HostRead, pending: _FullRows, u: torch.Tensor, drawn: _Drawn
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-p (probe hit, else histogram), then the two-level inverse-CDF draw."""
-        ntp, probs, bsum = plan.n_top_p, pending.probs, pending.bsum
-        valid = host.get(pending.valid)
-        hits = host.get(pending.probe_hits) if ntp else []
-        hist = tuple(i for i in range(ntp) if valid[i] and not hits[i])
-        if hist:
-            self._nucleus_by_histogram(probs, bsum, hist, plan, ws)
-        tok, row_ok = draw_rows(probs, u, bsum)
-        if any(hits):
-            assert pending.probe is not None and pending.probe_probs is not None
-            col, _ = draw_weights(pending.probe_probs * pending.probe.keep, u[:ntp])
-            hit_t = torch.tensor(hits, dtype=torch.bool, device=probs.device)
-            tok[:ntp] = torch.where(hit_t, pending.probe.ids.gather(1, col[:, None]).squeeze(1), tok[:ntp])
-            drawn.probe, drawn.probe_hits = pending.probe, hits
-        drawn.probs, drawn.histogram_rows = probs, hist
-        return tok, row_ok
-
-    @staticmethod
-    def _nucleus_by_histogram(
-        probs: torch.Tensor, bsum: torch.Tensor, rows: tuple[int, ...], plan: SamplingPlan, ws: Workspace
-    ) -> None:
-        """Top-p on full rows ``rows`` (local to ``probs``) in place; their block sums refreshed."""
-        if rows == tuple(range(len(rows))):
-            part = probs[: len(rows)]
-            top_p_histogram_(part, plan.top_p[: len(rows)], ws)
-            bsum[: len(rows)] = row_block_sums(part)
-            return
-        idx = torch.tensor(rows, device=probs.device)
-        part = torch.index_select(probs, 0, idx, out=ws.get("histogram_rows", (len(rows), probs.shape[1]), probs.dtype))
-        top_p_histogram_(part, plan.top_p.index_select(0, idx), ws)
-        probs.index_copy_(0, idx, part)
-        bsum.index_copy_(0, idx, row_block_sums(part))
-
-    # -- step 8 ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _logprob_topk_phase1(src: torch.Tensor, plan: SamplingPlan, host: _HostRead) -> _PendingTopK | None:
-        k = min(plan.num_logprobs or 0, src.shape[1])
-        if k <= 0:
-            return None
-        vals, ids = topk_candidates(src, k)
-        kk = torch.full((src.shape[0],), k, dtype=torch.int64, device=src.device)
-        return _PendingTopK(vals, ids, k, host.add(ambiguous(vals, kk)))
-
-    def _logprobs(
-        self,
-        x: torch.Tensor,
-        plan: SamplingPlan,
-        ws: Workspace,
-        host: _HostRead,
-        tokens: torch.Tensor,
-        raw: tuple[torch.Tensor, _PendingTopK | None] | None,
-        greedy_processed: torch.Tensor | None,
-        drawn: _Drawn | None,
-    ) -> LogprobsTensors | None:
-        if plan.num_logprobs is None:
-            return None
-        b, k = plan.batch_size, plan.num_logprobs
-        ids_out = torch.full((b, k + 1), -1, dtype=torch.int64, device=x.device)
-        ids_out[:, 0] = tokens
-        lp_out = torch.full((b, k + 1), float("nan"), dtype=torch.float32, device=x.device)
-        ranks = torch.full((b,), -1, dtype=torch.int64, device=x.device)
-        sources = []
-        if raw is not None:
-            sources.append((plan.raw.index, *raw))
-        if len(plan.processed):
-            src = to_logprobs_(self._processed_logits(x, plan, greedy_processed, drawn), plan.processed_modes)
-            sources.append((plan.processed.index, src, self._logprob_topk_phase1(src, plan, host)))
-        for rows, src, pending in sources:
-            lp, rank = sampled_logprob_and_rank(src, tokens.index_select(0, rows), ws)
-            lp_out[rows, 0] = lp
-            ranks[rows] = rank
-            if pending is not None:
-                kk = torch.full((src.shape[0],), pending.k, dtype=torch.int64, device=src.device)
-                amb_rows = [i for i, a in enumerate(host.get(pending.handle)) if a]
-                vals, ids = sort_by_value_then_id(
-                    *resolve_topk(src, pending.vals, pending.ids, kk, pending.k, amb_rows)
-                )
-                lp_out[rows, 1 : 1 + pending.k] = vals
-                ids_out[rows, 1 : 1 + pending.k] = ids
-        return LogprobsTensors(ids_out, lp_out, ranks)
-
-    @staticmethod
-    def _processed_logits(
-        x: torch.Tensor, plan: SamplingPlan, greedy_processed: torch.Tensor | None, drawn: _Drawn | None
-    ) -> torch.Tensor:
-        """Logits after 7c of the rows asking a processed mode: -inf where top-k/top-p removed a token.
-
-        Opt-in and rare, so this walks those rows (device ops only, no host reads).
-        """
-        out = x.index_select(0, plan.processed.index)
-        greedy = set(plan.greedy.rows)
-        topk_pos = {r: i for i, r in enumerate(plan.topk.rows)}
-        full_pos = {r: i for i, r in enumerate(plan.full.rows)}
-        for local, r in enumerate(plan.processed.rows):
-            if r in greedy:
-                assert greedy_processed is not None
-                out[local] = greedy_processed[local]
-                continue
-            assert drawn is not None
-            cand: _Candidates | None = None
-            i = -1
-            if r in topk_pos:
-                cand, i = drawn.topk, topk_pos[r]
-            elif drawn.probe_hits is not None and full_pos[r] < plan.n_top_p and drawn.probe_hits[full_pos[r]]:
-                cand, i = drawn.probe, full_pos[r]
-            if cand is not None:
-                kept = torch.where(cand.keep[i], x[r, cand.ids[i]], _NEG_INF)
-                out[local] = _NEG_INF
-                out[local, cand.ids[i]] = kept
-            elif full_pos[r] in drawn.histogram_rows:
-                assert drawn.probs is not None
-                out[local] = torch.where(drawn.probs[full_pos[r]] > 0, out[local], _NEG_INF)
-        return out

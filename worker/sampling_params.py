@@ -40,7 +40,7 @@ def _shown(value: object) -> str:
 
 # Fixed-width integer ranges (docs/sampling.md "Validation and ranges"): what the engine stores in
 # int64 columns, and seeds.
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT64_MAX = 2**63 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # vLLM's range; the engine seeds with seed % 2**64
 
 

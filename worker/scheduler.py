@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from worker import fairness
+from worker.config import SchedulingPolicy
 from worker.fairness import Shares, WaitingQueue
 from worker.kv.manager import KVCacheManager
 from worker.request import Request
@@ -57,18 +58,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, *, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager, policy: str = "fair"
+        self, *, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager, policy: SchedulingPolicy = "fair"
     ) -> None:
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens: must be >= max_num_seqs ({max_num_seqs}) so every decode row fits, "
-                f"got {max_num_batched_tokens}"
-            )
+        """The limits and policy of an `EngineConfig`, which validated them."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
-        if policy not in fairness.POLICIES:
-            raise ValueError(f"scheduling_policy: must be one of {', '.join(fairness.POLICIES)}, got {policy!r}")
         self.policy = policy
         self.waiting = WaitingQueue()
         # Admitted sequences (own KV blocks, a batch row), in admission order.
@@ -87,10 +82,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self.waiting.append(request)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.paused)
 
     def has_work(self) -> bool:
         """Something to schedule (paused sequences alone are not: a step would do nothing)."""
@@ -242,6 +233,8 @@ class Scheduler:
         if not self.kv.allocate(req, n, hits):
             return False
         self.kv.record_lookup(req.num_tokens, cached)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
         self.waiting.remove(req)
         self.running.append(req)
         if self._shares is not None:

@@ -32,13 +32,22 @@ class RequestValidator:
             so.compiled = compiler_for(self.tokenizer, self.vocab_size).compile(so)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        return self.check_length(self.encode(prompt))
+
+    def encode(self, prompt: Prompt, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """A text prompt's token ids (with the tokenizer's special tokens unless told not to), or
+        a token-id prompt checked against the vocabulary; the length is not checked yet (the
+        front end may truncate first). Errors name ``field``."""
         if isinstance(prompt, str):
-            check_unicode("prompt", prompt)
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
+            check_unicode(field, prompt)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        ids = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"{field}: token ids must be integers in [0, {self.vocab_size})")
+        return ids
+
+    def check_length(self, ids: list[int]) -> list[int]:
+        """``ids`` when they are a prompt that leaves room to generate."""
         if not ids:
             raise ValueError("prompt: must not be empty")
         if len(ids) >= self.max_model_len:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import torch
@@ -109,7 +109,7 @@ async def amain(args: argparse.Namespace) -> None:
     await engine.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="logitpool bench serve")
     p.add_argument("--http", help="base URL of a running deployment (default: deploy locally)")
     p.add_argument("--grpc", help="host:port of its gRPC proxy")

@@ -28,7 +28,7 @@ import random
 import signal
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -163,10 +163,10 @@ class SoakReport:
                 )
         slowest = sorted(self.outcomes, key=lambda o: o.start - o.end)[:5]
         lines.append("slowest: " + ", ".join(f"{o.kind}/{o.name} {o.result} {o.end - o.start:.1f} s" for o in slowest))
-        for kind in (None, *sc.NEW_CLASSES):
-            if (lat := self.innocent_latency(kind)) is not None:
+        for alongside in (None, *sc.NEW_CLASSES):
+            if (lat := self.innocent_latency(alongside)) is not None:
                 lines.append(
-                    f"innocents {'alongside ' + kind if kind else 'alongside none of them'}: "
+                    f"innocents {'alongside ' + alongside if alongside else 'alongside none of them'}: "
                     f"{lat[0]}, median {lat[1]:.2f} s, max {lat[2]:.2f} s"
                 )
         return "\n".join(lines)
@@ -372,6 +372,7 @@ class _Load:
     async def _hostile(self, r: random.Random) -> tuple[str, str, str]:
         if r.random() < 0.25:
             name, call = r.choice(self.hostile_grpc)
+            code: grpc.StatusCode | None
             try:
                 await call(self.gc)
                 return name, OK, ""
@@ -591,7 +592,7 @@ def soak_config(model: str, http_port: int, grpc_port: int, app: str = "logitpoo
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="logitpool bench soak")
     p.add_argument("--requests", type=int, default=5000)
     p.add_argument("--concurrency", type=int, default=32)

@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.cli.errors import EXIT_BROKEN_PIPE, EXIT_ERROR, CliError, one_line
 from cluster.cli.launch import deploy, healthy, start_serve, wait_ready
+from worker.config import EngineConfig  # dataclasses only: no heavy import
 
 
 def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -33,7 +34,7 @@ def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int)
     p.add_argument("--grpc-port", type=int)
     p.add_argument("--address", help="Ray cluster to join (e.g. auto, ray://host:10001); default: start a local one")
-    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-seqs", type=int, help=f"rows per worker batch (default {EngineConfig.max_num_seqs})")
     p.add_argument("--session", type=Path, help="where `status`/`scale` find this server (default: the cache's)")
 
 

@@ -20,7 +20,7 @@ classes added by issue 17 (one request maker and one rule each):
   innocents unaffected, batches empty at the end, RSS flat.
 
 The rules are plain data and `classify` is a pure function of what the client saw (`Answer`),
-so tests/cluster/test_soak_classes.py checks them without a cluster.
+so tests/cluster_rayfree/test_soak_classes.py checks them without a cluster.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ def _mapping() -> dict[tuple[str, ...], tuple[str, ...]]:
         ("ingress", "cpus"): ("ingress", "num_cpus"),
         ("ports", "http"): ("server", "http_port"),
         ("ports", "grpc"): ("server", "grpc_port"),
+        ("metrics", "names"): ("metrics", "names"),
     }
     for f in ENGINE_FIELDS:
         if f not in _ENGINE_ELSEWHERE:

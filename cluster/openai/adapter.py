@@ -29,7 +29,9 @@ from cluster.limits import (
 from cluster.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Echo,
+    TokenizeChatRequest,
     after_echo,
     chat_choices,
     chat_chunk,
@@ -44,6 +46,8 @@ from cluster.openai.protocol import (
     echoed,
     new_id,
     now,
+    tokenize_request,
+    tokenize_response,
     usage,
     usage_chunk,
 )
@@ -60,7 +64,7 @@ from worker.outputs import RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
-Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest, DetokenizeRequest)
 DONE = "data: [DONE]\n\n"
 # A response that may carry more logprob entries than this, or more choices, is written in
 # pieces as it is encoded (cluster.openai.wire.json_chunks), never held whole next to its objects.
@@ -116,11 +120,15 @@ class HttpAdapter:
         return b"".join(chunks)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
+        return model.model_validate(await self._parse_json(request))
+
+    async def _parse_json(self, request: Request) -> object:
+        """The body as JSON, once the key is accepted, within the limits, `model` checked."""
         self.frontend.authorize(request.headers.get("authorization"))
         body = request_limits.parse_json(self.frontend.limits, await self._read_body(request))
         if isinstance(body, dict):
             self.frontend.check_model(body.get("model"))
-        return model.model_validate(body)
+        return body
 
     def _scheduling(self, request: Request, rid: str, body: CompletionRequest | ChatCompletionRequest) -> Scheduling:
         """One group per client request (every prompt of a batch), under its API key's tenant."""
@@ -144,7 +152,7 @@ class HttpAdapter:
             params = body.sampling_params()
             raw = body.prompts()
             shape = ResponseShape(prompt_logprobs_per_choice=not body.stream, echo=body.echo)
-            prompts = await fe.prepare(params, raw, shape)
+            prompts = await fe.prepare(params, raw, shape, body.prompt_tokens)
             sched = self._scheduling(request, rid, body)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
@@ -158,7 +166,7 @@ class HttpAdapter:
             return self.error(exc)
         fe.count_ok("http", outs)
         echoes = [self._echo(r, ids, out, body) for r, ids, out in zip(raw, prompts, outs)] if body.echo else None
-        args = (fe.decode_token, body.return_token_ids, body.include_stop_str_in_output, echoes)
+        args = (fe.decode_token, bool(body.return_token_ids), body.include_stop_str_in_output, echoes)
         if self._large(params, prompts, shape):
             choices = completion_choices(outs, *args)
             return StreamedJSONResponse(
@@ -180,10 +188,12 @@ class HttpAdapter:
         )
 
     def _echo(self, raw: str | list[int], ids: list[int], first: RequestOutput, body: CompletionRequest) -> Echo:
-        """What `echo` puts in front of a prompt's choices: the prompt as given (token ids decoded),
-        its tokens, and the prompt logprobs ``first`` (the request's first output) carries."""
-        text = raw if isinstance(raw, str) else str(self.frontend.tokenizer.decode(raw))
-        return Echo(text, ids, first.prompt_logprobs, body.echo_only)
+        """What `echo` puts in front of a prompt's choices: the prompt as given (token ids, or a
+        prompt cut by truncate_prompt_tokens, decoded), its tokens, and the prompt logprobs
+        ``first`` (the request's first output) carries."""
+        if isinstance(raw, str) and body.truncate_prompt_tokens is None:
+            return Echo(raw, ids, first.prompt_logprobs, body.echo_only)
+        return Echo(str(self.frontend.tokenizer.decode(ids)), ids, first.prompt_logprobs, body.echo_only)
 
     async def _stream_completions(
         self,
@@ -207,8 +217,10 @@ class HttpAdapter:
 
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
         done, n_tokens, created = 0, 0, now()
+        token_ids = bool(body.return_token_ids)
         sent: dict[int, int] = {}  # characters sent per choice index: the next text_offset
         echoes: dict[int, Echo] = {}  # per prompt, from its first delta (which carries the prompt logprobs)
+        cached: dict[int, int] = {}  # per prompt, prompt tokens the prefix cache served
         try:
             while done < len(tasks):
                 i, item = await queue.get()
@@ -219,6 +231,8 @@ class HttpAdapter:
                     for event in self._error_event(item):
                         yield event
                     return
+                if item.num_cached_tokens is not None:
+                    cached[i] = item.num_cached_tokens
                 if body.echo and i not in echoes:
                     echoes[i] = self._echo(raw[i], prompts[i], item, body)
                 for choice in item.outputs:
@@ -235,10 +249,11 @@ class HttpAdapter:
                         c,
                         fe.decode_token,
                         i * params.n,
-                        body.return_token_ids,
+                        ([] if body.echo_only else choice.token_ids) if token_ids else None,
                         created=created,
                         text_offset=sent.get(index, 0),
                         include_stop=body.include_stop_str_in_output,
+                        prompt_token_ids=prompts[i] if token_ids and index not in sent else None,
                     )
                     lp = chunk["choices"][0]["logprobs"]
                     # Offsets run over the tokens' texts, as in the whole response (an echoed
@@ -250,11 +265,8 @@ class HttpAdapter:
                     )
                     yield sse(chunk)
             if body.include_usage:
-                yield sse(
-                    usage_chunk(
-                        rid, fe.model_name, "text_completion", usage(sum(map(len, prompts)), n_tokens), created=created
-                    )
-                )
+                u = usage(sum(map(len, prompts)), n_tokens, sum(cached.values()))
+                yield sse(usage_chunk(rid, fe.model_name, "text_completion", u, created=created))
             fe.count_ok("http", tokens=n_tokens)
             yield DONE
         finally:
@@ -269,7 +281,8 @@ class HttpAdapter:
         try:
             body = await self._parse(request, ChatCompletionRequest)
             params = body.sampling_params()
-            ids = await fe.prepare_chat(params, [(m.role, m.text()) for m in body.messages])
+            turns = [(m.role, m.text()) for m in body.messages]
+            ids = await fe.prepare_chat(params, turns, body.render, body.prompt_tokens)
             sched = self._scheduling(request, rid, body)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
@@ -283,11 +296,11 @@ class HttpAdapter:
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         fe.count_ok("http", [out])
-        args = (fe.decode_token, top_n, body.return_token_ids, body.forced_tool, body.include_stop_str_in_output)
+        token_ids = bool(body.return_token_ids)
+        args = (fe.decode_token, top_n, token_ids, body.forced_tool, body.include_stop_str_in_output)
         if self._large(params, [ids]):
-            return StreamedJSONResponse(
-                json_chunks(chat_head(rid, fe.model_name), "choices", chat_choices(out, *args), lambda: chat_tail(out))
-            )
+            head, choices = chat_head(rid, fe.model_name), chat_choices(out, *args)
+            return StreamedJSONResponse(json_chunks(head, "choices", choices, lambda: chat_tail(out, token_ids)))
         return StrictJSONResponse(chat_response(rid, fe.model_name, out, *args))
 
     async def _stream_chat(
@@ -301,9 +314,11 @@ class HttpAdapter:
     ) -> AsyncIterator[str]:
         fe = self.frontend
         first: set[int] = set()
-        n_tokens, created = 0, now()
+        n_tokens, created, cached = 0, now(), 0
         try:
             async for delta in fe.stream_deltas(rid, ids, params, sched):
+                if delta.num_cached_tokens is not None:
+                    cached = delta.num_cached_tokens
                 for c in delta.outputs:
                     n_tokens += len(c.token_ids)
                     yield sse(
@@ -314,9 +329,10 @@ class HttpAdapter:
                             fe.decode_token,
                             top_n,
                             c.index not in first,
-                            body.return_token_ids,
+                            bool(body.return_token_ids),
                             created=created,
                             include_stop=body.include_stop_str_in_output,
+                            prompt_token_ids=ids,
                         )
                     )
                     first.add(c.index)
@@ -325,34 +341,63 @@ class HttpAdapter:
                 yield event
             return
         if body.include_usage:
-            yield sse(
-                usage_chunk(rid, fe.model_name, "chat.completion.chunk", usage(len(ids), n_tokens), created=created)
-            )
+            u = usage(len(ids), n_tokens, cached)
+            yield sse(usage_chunk(rid, fe.model_name, "chat.completion.chunk", u, created=created))
         fe.count_ok("http", tokens=n_tokens)
         yield DONE
 
     # -- the rest --------------------------------------------------------------------------
 
+    def _model_card(self) -> dict[str, object]:
+        fe = self.frontend
+        return {
+            "id": fe.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "logitpool",
+            "root": fe.model_name,
+            "parent": None,
+            "max_model_len": fe.max_model_len,
+        }
+
     async def models(self, request: Request) -> Response:
         if denied := self.denied(request):
             return denied
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request, model: str) -> Response:
+        """GET /v1/models/{model}: the served model's card; any other id is the 404 that a
+        request naming it gets."""
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+            self.frontend.check_model(model)
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
+            return self.error(exc)
+        return JSONResponse(self._model_card())
+
+    # -- /tokenize and /detokenize (vLLM's) -----------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
         fe = self.frontend
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": fe.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "logitpool",
-                        "root": fe.model_name,
-                        "parent": None,
-                        "max_model_len": fe.max_model_len,
-                    }
-                ],
-            }
-        )
+        try:
+            body = tokenize_request(await self._parse_json(request))
+            if isinstance(body, TokenizeChatRequest):
+                turns = [(m.role, m.text()) for m in body.messages]
+                ids = await fe.tokenize(turns, body.add_special_tokens, body.render)
+            else:
+                ids = await fe.tokenize(body.prompt, body.add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
+            return self.error(exc)
+        strs = fe.token_strs(ids) if body.return_token_strs else None
+        return StrictJSONResponse(tokenize_response(ids, fe.max_model_len, strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await self._parse(request, DetokenizeRequest)
+            text = await self.frontend.detokenize(body.tokens)
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
+            return self.error(exc)
+        return StrictJSONResponse({"prompt": text})
 
     async def list_processors(self, request: Request) -> Response:
         if denied := self.denied(request):
@@ -375,5 +420,5 @@ class HttpAdapter:
         return JSONResponse({"status": "unavailable", "workers_alive": 0, "workers": len(pool)}, status_code=503)
 
     async def prometheus(self) -> Response:
-        body, content_type = self.frontend.metrics.render(await self.frontend.pool())
+        body, content_type = await self.frontend.metrics_text()
         return Response(body, media_type=content_type)

@@ -2,8 +2,8 @@
 
 Request bodies are converted once, here, to ``worker.SamplingParams``; responses are built here
 from the engine's ``RequestOutput``. Unknown body fields are ignored, as OpenAI-compatible
-servers do, so newer SDKs keep working; known fields this server does not implement are a 400
-(``openai_structured.NOT_IMPLEMENTED``).
+servers do, so newer SDKs keep working; known fields this server does not implement (OpenAI's and
+vLLM's) are a 400 naming them (cluster.openai.unimplemented).
 """
 
 from __future__ import annotations
@@ -11,19 +11,21 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.chat import ChatRender, PromptTokens
+from cluster.openai import unimplemented
 from cluster.openai.structured import (
     ForcedTool,
     forced_tool,
-    reject_not_implemented,
     structured_from_fields,
     tool_call_message,
 )
+from cluster.openai.unimplemented import Unimplemented
 from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from worker.sampling_params import INT64_MAX, SamplingParams
 
@@ -34,12 +36,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+class _Refusing(BaseModel):
+    """A request body: unknown fields ignored, known ones it does not implement refused when set
+    (``unimplemented_fields``, from cluster.openai.unimplemented)."""
 
     model_config = ConfigDict(extra="ignore")
+    unimplemented_fields: ClassVar[Mapping[str, Unimplemented]] = {}
 
     model: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_implemented(cls, body: Any) -> Any:
+        unimplemented.reject(body, cls.unimplemented_fields)
+        return body
+
+
+class _SamplingFields(_Refusing):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    unimplemented_fields = unimplemented.SAMPLING
+
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -64,8 +81,16 @@ class _SamplingFields(BaseModel):
     logprobs_mode: str | None = None
     vllm_xargs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
-    # vLLM's extension: each choice (and stream chunk) also carries the generated token ids.
-    return_token_ids: bool = False
+    # vLLM's extension: each choice (and stream chunk) also carries the generated token ids, and
+    # the prompt's (per completions choice; at the top of a chat response).
+    return_token_ids: bool | None = None
+    # vLLM's extension: the tokenizer's special tokens (a BOS) on the prompt; its default differs
+    # per endpoint (true for completions, false for chat: the template writes its own).
+    add_special_tokens: bool = True
+    # vLLM's extension: keep only the last k prompt tokens (first k with truncation_side "right";
+    # -1: max_model_len); k past max_model_len is a 400 (cluster.chat.PromptTokens).
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's extension: a matched stop string stays at the end of the text.
     include_stop_str_in_output: bool = False
     # vLLM's extension: logprobs of the prompt tokens (response field `prompt_logprobs`).
@@ -83,8 +108,9 @@ class _SamplingFields(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _not_implemented(cls, body: Any) -> Any:
-        reject_not_implemented(body)
+    def _stream_options_not_implemented(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            unimplemented.reject(body.get("stream_options"), unimplemented.STREAM_OPTIONS, "stream_options.")
         return body
 
     @model_validator(mode="after")
@@ -141,8 +167,15 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def prompt_tokens(self) -> PromptTokens:
+        """How the prompt becomes token ids (special tokens, truncation)."""
+        return PromptTokens(self.add_special_tokens, self.truncate_prompt_tokens, self.truncation_side or "left")
+
 
 class CompletionRequest(_SamplingFields):
+    unimplemented_fields = unimplemented.COMPLETION
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -177,8 +210,8 @@ class CompletionRequest(_SamplingFields):
             p = [p]
         # An empty list or prompt is the front end's 400 (cluster.frontend.check_prompts).
         if p and all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [list(p)]  # type: ignore[arg-type]  # all ints: the list[int] member (all() does not narrow)
+        return list(p)  # type: ignore[arg-type]  # list[str] or list[list[int]], each item a prompt
 
 
 class ChatMessage(BaseModel):
@@ -199,8 +232,24 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatPrompt(BaseModel):
+    """A chat as a prompt (chat completions and /tokenize): its messages, how the template
+    renders them (vLLM's fields) and no special tokens added on top by default."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @property
+    def render(self) -> ChatRender:
+        """How the chat template renders the messages (ValueError if both flags are set)."""
+        return ChatRender(self.add_generation_prompt, self.continue_final_message)
+
+
+class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
+    unimplemented_fields = unimplemented.CHAT
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -247,12 +296,19 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def cached_tokens(outs: Sequence[RequestOutput]) -> int:
+    """The prompt tokens of ``outs`` served from the prefix cache (0 where the worker said none)."""
+    return sum(out.num_cached_tokens or 0 for out in outs)
 
 
 def completion_logprobs(c: CompletionOutput, decode: Any, text_offset: int = 0) -> dict[str, Any] | None:
@@ -287,7 +343,7 @@ def echoed(c: CompletionOutput, e: Echo) -> CompletionOutput:
     lps = None if c.logprobs is None else list(e.logprobs or [None] * len(e.token_ids))
     if e.only:
         finish = "length" if c.finish_reason is not None and c.finish_reason != "error" else c.finish_reason
-        return CompletionOutput(c.index, e.text, list(e.token_ids), None, lps, finish, None, c.error)  # type: ignore[arg-type]
+        return CompletionOutput(c.index, e.text, list(e.token_ids), None, lps, finish, None, c.error)  # type: ignore[arg-type]  # lps[0] is None: the prompt's first token has no logprob
     if lps is not None and c.logprobs is not None:
         lps.extend(c.logprobs)
     return CompletionOutput(
@@ -295,7 +351,7 @@ def echoed(c: CompletionOutput, e: Echo) -> CompletionOutput:
         e.text + c.text,
         [*e.token_ids, *c.token_ids],
         c.cumulative_logprob,
-        lps,  # type: ignore[arg-type]
+        lps,  # type: ignore[arg-type]  # the prompt's position 0 has no logprob: None (completion_logprobs reads it)
         c.finish_reason,
         c.stop_reason,
         c.error,
@@ -352,21 +408,22 @@ def output_text(c: CompletionOutput, include_stop: bool) -> str:
     return c.text
 
 
-def _choice(fields: dict[str, Any], c: CompletionOutput, token_ids: bool) -> dict[str, Any]:
-    """Fields every choice (and chunk choice) ends with: finish and stop reason, token ids."""
+def _choice(fields: dict[str, Any], c: CompletionOutput, token_ids: list[int] | None) -> dict[str, Any]:
+    """Fields every choice (and chunk choice) ends with: finish and stop reason, and the
+    generated token ids when asked for (``return_token_ids``)."""
     fields["finish_reason"] = c.finish_reason
     fields["stop_reason"] = c.stop_reason
-    if token_ids:
-        fields["token_ids"] = list(c.token_ids)
+    if token_ids is not None:
+        fields["token_ids"] = list(token_ids)
     return fields
 
 
-def completion_usage(outs: Sequence[RequestOutput], echoes: Sequence[Echo] | None = None) -> dict[str, int]:
+def completion_usage(outs: Sequence[RequestOutput], echoes: Sequence[Echo] | None = None) -> dict[str, Any]:
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
     completion_tokens = sum(
         len(c.token_ids) for i, out in enumerate(outs) for c in out.outputs if echoes is None or not echoes[i].only
     )
-    return usage(prompt_tokens, completion_tokens)
+    return usage(prompt_tokens, completion_tokens, cached_tokens(outs))
 
 
 def completion_choices(
@@ -378,9 +435,12 @@ def completion_choices(
 ) -> Iterator[dict[str, Any]]:
     """The choices of a completions response, one at a time (a large response is written as they
     come, cluster.openai.wire.json_chunks). A prompt's `prompt_logprobs` are converted once and the
-    same list is every one of its choices' (the JSON repeats them per choice, as vLLM's)."""
+    same list is every one of its choices' (the JSON repeats them per choice, as vLLM's). vLLM's
+    shape: `token_ids` (generated only, an echoed prompt not among them), `prompt_logprobs` and
+    `prompt_token_ids` are in every choice, null unless asked for."""
     for i, out in enumerate(outs):
         plp = prompt_logprobs_json(out.prompt_logprobs)
+        only = echoes is not None and echoes[i].only
         for c in out.outputs:
             shown = c if echoes is None else echoed(c, echoes[i])
             choice = _choice(
@@ -390,10 +450,11 @@ def completion_choices(
                     "logprobs": completion_logprobs(shown, decode),
                 },
                 shown,
-                token_ids,
+                ([] if only else c.token_ids) if token_ids else None,
             )
-            if plp is not None:
-                choice["prompt_logprobs"] = plp
+            choice.setdefault("token_ids", None)
+            choice["prompt_logprobs"] = plp
+            choice["prompt_token_ids"] = list(out.prompt_token_ids) if token_ids else None
             yield choice
 
 
@@ -445,8 +506,7 @@ def chat_choices(
 ) -> Iterator[dict[str, Any]]:
     for c in out.outputs:
         choice = _chat_choice(c, decode, top_n, tool, include_stop)
-        if token_ids:
-            choice["token_ids"] = list(c.token_ids)
+        choice["token_ids"] = list(c.token_ids) if token_ids else None  # vLLM's shape: null unless asked
         yield choice
 
 
@@ -454,12 +514,15 @@ def chat_head(rid: str, model: str) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model}
 
 
-def chat_tail(out: RequestOutput) -> dict[str, Any]:
-    """A chat response's fields after `choices`: usage, and the prompt's logprobs (once)."""
-    tail: dict[str, Any] = {"usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
-    if out.prompt_logprobs is not None:
-        tail["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-    return tail
+def chat_tail(out: RequestOutput, token_ids: bool = False) -> dict[str, Any]:
+    """A chat response's fields after `choices`: usage, and (vLLM's, null unless asked for) the
+    prompt's logprobs and token ids, once."""
+    n_out = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        "usage": usage(len(out.prompt_token_ids), n_out, cached_tokens([out])),
+        "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
+        "prompt_token_ids": list(out.prompt_token_ids) if token_ids else None,
+    }
 
 
 def chat_response(
@@ -475,7 +538,7 @@ def chat_response(
     return {
         **chat_head(rid, model),
         "choices": list(chat_choices(out, decode, top_n, token_ids, tool, include_stop)),
-        **chat_tail(out),
+        **chat_tail(out, token_ids),
     }
 
 
@@ -485,29 +548,27 @@ def completion_chunk(
     c: CompletionOutput,
     decode: Any,
     index_base: int = 0,
-    token_ids: bool = False,
+    token_ids: list[int] | None = None,
     *,
     created: int,
     text_offset: int = 0,
     include_stop: bool = False,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            _choice(
-                {
-                    "index": index_base + c.index,
-                    "text": output_text(c, include_stop),
-                    "logprobs": completion_logprobs(c, decode, text_offset),
-                },
-                c,
-                token_ids,
-            )
-        ],
-    }
+    """One stream chunk; ``token_ids``: the generated ids it adds, ``prompt_token_ids``: the
+    prompt's, in a choice's first chunk (both when return_token_ids asks)."""
+    choice = _choice(
+        {
+            "index": index_base + c.index,
+            "text": output_text(c, include_stop),
+            "logprobs": completion_logprobs(c, decode, text_offset),
+        },
+        c,
+        token_ids,
+    )
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = list(prompt_token_ids)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
 def chat_chunk(
@@ -521,11 +582,14 @@ def chat_chunk(
     *,
     created: int,
     include_stop: bool = False,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
+    """One stream chunk; with ``token_ids`` the ids it adds, and in a choice's ``first`` chunk
+    the prompt's ``prompt_token_ids`` at the top (vLLM's)."""
     delta: dict[str, Any] = {"content": output_text(c, include_stop)}
     if first:
         delta["role"] = "assistant"
-    return {
+    chunk = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
@@ -538,13 +602,47 @@ def chat_chunk(
                     "logprobs": chat_logprobs(c, decode, top_n),
                 },
                 c,
-                token_ids,
+                c.token_ids if token_ids else None,
             )
         ],
     }
+    if first and token_ids and prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = list(prompt_token_ids)
+    return chunk
 
 
 def usage_chunk(
-    rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, int], *, created: int
+    rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, Any], *, created: int
 ) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u}
+
+
+# -- /tokenize and /detokenize (vLLM's shapes) ---------------------------------------------
+
+
+class TokenizeCompletionRequest(_Refusing):
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_ChatPrompt, _Refusing):
+    unimplemented_fields = unimplemented.TOKENIZE_CHAT
+
+    return_token_strs: bool | None = False
+
+
+def tokenize_request(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """vLLM's /tokenize body: the chat form when it has `messages`, else the prompt form."""
+    if isinstance(body, dict) and "messages" in body:
+        return TokenizeChatRequest.model_validate(body)
+    return TokenizeCompletionRequest.model_validate(body)
+
+
+class DetokenizeRequest(_Refusing):
+    tokens: list[int]
+
+
+def tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None) -> dict[str, Any]:
+    """vLLM's TokenizeResponse."""
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}

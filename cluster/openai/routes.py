@@ -12,12 +12,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.errors import Status, classify
 from cluster.openai.adapter import HttpAdapter
-from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from cluster.openai.wire import status_response
 
 TITLE = "logitpool"
@@ -30,6 +37,9 @@ def build_api(http: HttpAdapter) -> FastAPI:
     api.post("/v1/completions")(http.completions)
     api.post("/v1/chat/completions")(http.chat_completions)
     api.get("/v1/models")(http.models)
+    api.get("/v1/models/{model:path}")(http.model)
+    api.post("/tokenize")(http.tokenize)
+    api.post("/detokenize")(http.detokenize)
     api.get("/v1/processors")(http.list_processors)
     api.get("/health")(http.health)
     api.get("/metrics")(http.prometheus)
@@ -51,7 +61,7 @@ def build_api(http: HttpAdapter) -> FastAPI:
     async def _unexpected_error(request: Request, exc: Exception) -> Response:
         return status_response(classify(exc))
 
-    api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]
+    api.openapi = lambda: _openapi(api)  # type: ignore[method-assign]  # FastAPI's documented way to extend it
     return api
 
 
@@ -78,19 +88,27 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
     if api.openapi_schema:
         return api.openapi_schema
     schema = get_openapi(title=api.title, version="1.0.0", description=api.description, routes=api.routes)
-    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    bodies: dict[str, tuple[type[BaseModel], ...]] = {
+        "/v1/completions": (CompletionRequest,),
+        "/v1/chat/completions": (ChatCompletionRequest,),
+        "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),  # chat when `messages` is there
+        "/detokenize": (DetokenizeRequest,),
+    }
     _, defs = models_json_schema(
-        [(m, "validation") for m in bodies.values()], ref_template="#/components/schemas/{model}"
+        [(m, "validation") for ms in bodies.values() for m in ms], ref_template="#/components/schemas/{model}"
     )
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
-    for path, model in bodies.items():
+    for path, models in bodies.items():
+        refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
         op = schema["paths"][path]["post"]
         op["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            "content": {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}},
         }
+    for path in ("/v1/completions", "/v1/chat/completions"):
         # `"stream": true` answers server-sent events instead of one JSON object.
-        op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        sse_body = {"schema": {"type": "string"}}
+        schema["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = sse_body
     # Prometheus' text format, not JSON.
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     # /health answers 503 with its own body (how many replicas are alive), not an error object.

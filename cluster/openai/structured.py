@@ -6,7 +6,7 @@ One constraint per request, from exactly one of: OpenAI ``response_format`` (``j
 ``tool_choice`` ``"required"`` or naming a function. What the server does not implement is a
 ValueError naming the field (HTTP 400), never silently ignored: ``tool_choice: "auto"`` (the
 server never decides on its own whether to call a tool), streaming tool calls, and the fields in
-``NOT_IMPLEMENTED``.
+cluster.openai.unimplemented.
 """
 
 from __future__ import annotations
@@ -18,29 +18,8 @@ from typing import Any
 
 from worker.structured_outputs import StructuredOutputsParams
 
-# Known OpenAI / vLLM request fields this server does not implement: a 400 naming them.
-NOT_IMPLEMENTED: dict[str, str] = {
-    "guided_decoding_backend": "the backend is fixed (xgrammar)",
-    "guided_whitespace_pattern": "JSON is generated compactly",
-    "structural_tag": "structural tags are not supported",
-    "functions": "use tools",
-    "function_call": "use tool_choice",
-    "prediction": "predicted outputs are not supported",
-    "audio": "audio output is not supported",
-    "modalities": "only text output is supported",
-    "web_search_options": "web search is not supported",
-}
-
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
-
-
-def reject_not_implemented(body: Any) -> None:
-    """ValueError for the first known-but-unimplemented field set in a request body."""
-    if isinstance(body, dict):
-        for name, why in NOT_IMPLEMENTED.items():
-            if body.get(name) is not None:
-                raise ValueError(f"{name}: not implemented by this server ({why})")
 
 
 def from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -122,24 +101,89 @@ def forced_tool(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
             "its own whether to call a tool; give 'required', 'none' or {'type': 'function', 'function': {'name': ...}}"
         )
     if tool_choice == "required":
-        schema = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": n}, "arguments": p},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for n, p in fns.items()
-            ]
-        }
-        return ForcedTool(None, StructuredOutputsParams(json=schema, source="tools"))
+        return ForcedTool(None, StructuredOutputsParams(json=_any_call(fns), source="tools"))
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in fns:
             raise ValueError(f"tool_choice.function.name: {name!r} is not one of the tools ({', '.join(fns)})")
         return ForcedTool(name, StructuredOutputsParams(json=fns[name], source=f"tools[{name}].function.parameters"))
     raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or a function, got {tool_choice!r}")
+
+
+def _any_call(fns: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One schema for ``{"name": ..., "arguments": ...}`` of any of the tools. A tool whose
+    parameters hold local references (``$ref: "#/$defs/X"``, relative to its own schema) is
+    moved under the combined schema's ``$defs`` with its references rebased there, so they
+    resolve as they did alone; recursion stays a reference (nothing is expanded)."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, (name, params) in enumerate(fns.items()):
+        arguments = params
+        if _has_ref(params):
+            key = f"tool_{i}"
+            defs[key] = _rebased(params, params, f"#/$defs/{key}", f"tools[{i}].function.parameters")
+            arguments = {"$ref": f"#/$defs/{key}"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return {"anyOf": calls, **({"$defs": defs} if defs else {})}
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _has_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any(k == "$ref" or (k not in _DATA_KEYWORDS and _has_ref(v)) for k, v in node.items())
+    return isinstance(node, list) and any(_has_ref(v) for v in node)
+
+
+def _rebased(node: Any, root: dict[str, Any], base: str, where: str) -> Any:
+    """``node`` (part of ``root``) with every local ``$ref`` checked and prefixed by ``base``."""
+    if isinstance(node, list):
+        return [_rebased(v, root, base, where) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k == "$ref" and isinstance(v, str):
+            _resolve(root, v, where)
+            out[k] = base + v[1:]
+        elif k in _DATA_KEYWORDS:
+            out[k] = v
+        else:
+            out[k] = _rebased(v, root, base, where)
+    return out
+
+
+def _resolve(root: dict[str, Any], ref: str, where: str) -> None:
+    """ValueError naming ``where`` unless ``ref`` is a JSON pointer into ``root`` that reaches a
+    schema, not only a chain of references back to itself (which no output could satisfy)."""
+    seen: set[str] = set()
+    while True:
+        if ref != "#" and not ref.startswith("#/"):
+            raise ValueError(f"{where}: $ref {ref[:100]!r}: only local references (#/...) are supported")
+        if ref in seen:
+            raise ValueError(f"{where}: $ref {ref[:100]!r} is a cycle of references with no schema")
+        seen.add(ref)
+        target: Any = root
+        for part in ref[2:].split("/") if ref != "#" else ():
+            key = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and key in target:
+                target = target[key]
+            elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
+                target = target[int(key)]
+            else:
+                raise ValueError(f"{where}: $ref {ref[:100]!r} does not resolve within the tool's parameters")
+        if not (isinstance(target, dict) and isinstance(target.get("$ref"), str) and len(target) == 1):
+            return
+        ref = target["$ref"]
 
 
 def tool_call_message(tool: ForcedTool, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:

@@ -83,7 +83,7 @@ def _prompt_logprobs_pb(out: RequestOutput, prompt_token_ids: list[int], decode:
     plp = out.prompt_logprobs
     if plp is None:
         return None
-    return pb.PromptLogprobs(positions=_logprobs_pb(plp[1:], prompt_token_ids[1:], decode))  # type: ignore[arg-type]
+    return pb.PromptLogprobs(positions=_logprobs_pb(plp[1:], prompt_token_ids[1:], decode))  # type: ignore[arg-type]  # only [0] is None: sent once the rest are in
 
 
 def _usage(out: RequestOutput) -> pb.Usage:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -29,7 +29,8 @@ from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
 M = TypeVar("M", bound=Message)
-Request = WireRequest | M
+# A request as Serve's proxy forwards it (bytes), or parsed (Serve's local testing mode).
+Request: TypeAlias = WireRequest | M
 
 
 def _authorization(ctx: RayServegRPCContext) -> str | None:

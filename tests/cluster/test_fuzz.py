@@ -232,9 +232,9 @@ def test_grpc_garbage_bytes(channel, raw):
 # Driven through schemathesis' Python API with hypothesis' own @given (its pytest plugin does not
 # run under pytest 9): every operation, positive and negative generation modes.
 
-import schemathesis  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import (  # noqa: E402
+import schemathesis  # noqa: E402 - the HTTP half's imports, kept with it
+from schemathesis import GenerationMode  # noqa: E402 - as above
+from schemathesis.checks import (  # noqa: E402 - as above
     content_type_conformance,
     not_a_server_error,
     response_schema_conformance,

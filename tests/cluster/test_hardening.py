@@ -6,6 +6,7 @@ replica unhealthy and Serve replaces it. Tests run in file order: the engine-dea
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from client import Client, InvalidArgument
 from tests.cluster.serving_helpers import deployed, error_of, post
-from tests.cluster.test_limits import deep_request_bytes
+from tests.cluster_rayfree.test_limits import deep_request_bytes
 from tests.conftest import TEST_READ_TIMEOUT_S
 
 pytestmark = pytest.mark.ray
@@ -178,11 +179,13 @@ def test_grpc_health_per_service(channel, client):
 def test_metrics_cover_the_whole_pool(base):
     post(base, {"prompt": "x", "max_tokens": 2})
     post(base, {"prompt": "x", "n": 2000})
+    # Every ingress replica's series as last published (cluster.metrics.shared), labelled with it.
+    rejected = re.compile(r'logitpool_requests_rejected_total\{ingress="[^"]+",protocol="http",status="400"\}')
     deadline = time.monotonic() + 10
     text = ""
     while time.monotonic() < deadline:
         text = httpx.get(base + "/metrics").text
-        if 'logitpool_sequences_finished_total{reason="length"}' in text:
+        if 'logitpool_sequences_finished_total{reason="length"}' in text and rejected.search(text):
             break
         time.sleep(0.5)
     for name in (
@@ -192,9 +195,9 @@ def test_metrics_cover_the_whole_pool(base):
         'logitpool_sequences_finished_total{reason="length"}',
         "logitpool_engine_restarts_total",
         'stat="bytes"',
-        'logitpool_requests_rejected_total{protocol="http",status="400"}',
     ):
         assert name in text, name
+    assert rejected.search(text)
 
 
 @pytest.mark.slow

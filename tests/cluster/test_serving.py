@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
 
 from client import AsyncClient, Client, InvalidArgument, Unavailable
+from cluster import pool_stats
 from cluster.config import LogitpoolConfig
+from cluster.metrics import shared
 from tests.worker.test_engine import DUMMY_FQCN
 
 pytestmark = pytest.mark.ray
@@ -203,6 +206,33 @@ def test_http_endpoints(serving):
     assert bad.status_code == 400 and "body" in bad.json()["error"]["message"]
     bad = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "top_p": 0})
     assert bad.status_code == 400 and "top_p" in bad.json()["error"]["message"]
+
+
+def test_request_ids_and_latency_histograms(serving):
+    """Through Serve's proxy: a sane x-request-id comes back as sent, an insane one is replaced;
+    the request histograms move, under vLLM's names too, from the ingress's published snapshot."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = f"http://127.0.0.1:{serving.server.http_port}"
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
+    r = httpx.post(f"{base}/v1/completions", json=body, headers={"x-request-id": "trace-42"})
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["trace-42"]
+    r = httpx.post(f"{base}/v1/completions", json=body, headers={"x-request-id": "x" * 500})
+    (fresh,) = r.headers.get_list("x-request-id")
+    uuid.UUID(fresh)
+    deadline = time.monotonic() + 60  # the ingress publishes from its health check (every 10 s)
+    while True:
+        published = asyncio.run(pool_stats.collect_published(APP, shared.KIND, shared.IngressSnapshot.from_json))
+        samples = [s for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text) for s in f.samples]
+        e2e = [s for s in samples if s.name == "vllm:e2e_request_latency_seconds_count"]
+        if published and sum(s.value for s in e2e) >= 2:
+            break
+        assert time.monotonic() < deadline, "no published ingress metrics"
+        time.sleep(0.5)
+    assert {s.labels["ingress"] for s in e2e} <= {p.replica_id for p in published}
+    assert {s.labels["model_name"] for s in e2e} == {MODEL}
+    ttft = sum(s.value for s in samples if s.name == "logitpool_time_to_first_token_seconds_count")
+    assert ttft >= 2 and any(s.name == "vllm:num_requests_running" for s in samples)
 
 
 # -- gRPC through the client library ---------------------------------------------------------

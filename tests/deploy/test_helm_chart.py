@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import LogitpoolConfig
 from cluster.deploy.serve_config import serve_config
@@ -72,7 +75,7 @@ GPU_EQUIVALENT = {
             "metrics_interval_s": 2.5,
             "look_back_period_s": 20,
         },
-        "num_gpus": 2,
+        "num_gpus": 1,
         "num_cpus": 3.5,
         "max_ongoing_requests": 192,
         "max_queued_requests": 512,
@@ -361,3 +364,51 @@ def test_notes_tell_how_to_reach_the_endpoints(chart: Any) -> None:
     assert f"port-forward svc/{fullname}-grpc 9000:9000" in notes
     assert "curl" in notes and "/v1/completions" in notes
     assert "from client import Client" in notes
+
+
+# ---- the Grafana dashboard ---------------------------------------------------------------------
+
+DASHBOARD = CHART / "dashboards" / "logitpool.json"
+
+
+def test_grafana_dashboard_is_off_by_default_and_a_labelled_configmap_when_on(chart: Any) -> None:
+    assert not [d for d in objects(render(chart)) if d["kind"] == "ConfigMap"]
+    values = {"metrics": {"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM serving"}}}}
+    (cm,) = [d for d in objects(render(chart, values)) if d["kind"] == "ConfigMap"]
+    kubernetes_validate.validate(cm, kubernetes_validate.latest_version(), strict=True)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar looks for
+    assert cm["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM serving"}
+    assert json.loads(cm["data"]["logitpool.json"]) == json.loads(DASHBOARD.read_text(encoding="utf-8"))
+
+
+def test_metrics_names_reach_the_serve_config(chart: Any) -> None:
+    docs = objects(render(chart, {"metrics": {"names": "vllm"}}))
+    app = yaml.safe_load(only(docs, "RayService")["spec"]["serveConfigV2"])["applications"][0]
+    assert app["args"]["metrics"] == {"names": "vllm"}
+    with pytest.raises(helm_python.HelmError, match="names"):
+        render(chart, {"metrics": {"names": "prometheus"}})
+
+
+def test_every_series_the_dashboard_queries_is_served() -> None:
+    """Each metric name in the dashboard's queries is one /metrics serves (names: both), so no
+    panel stays empty for want of a series."""
+    from cluster.metrics import Metrics
+    from cluster.pool_stats import PoolSnapshot
+    from worker.outputs import CompletionOutput, RequestOutput
+
+    m = Metrics(model_name="m", max_model_len=64)
+    clock = m.clock(prompt_tokens=3, n=1)
+    for last in (False, True):
+        out = CompletionOutput(0, "x", [1], None, None, "stop" if last else None, queue_time_s=0.1 if last else None)
+        clock.add(RequestOutput("r", None, [], [out], last))
+    m.request("http", 200)
+    m.reject("http", 400)
+    kv = {"blocks_used": 1.0, "blocks_total": 2.0, "prefix_query_tokens": 4.0, "prefix_hit_tokens": 1.0}
+    pool = [PoolSnapshot(True, 0.1, 1, 0, replica_id="w", kv={**kv, "num_preemptions": 0.0})]
+    served = {s.name for f in text_string_to_metric_families(m.render(pool)[0].decode()) for s in f.samples}
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    queried = {name for e in exprs for name in re.findall(r"(?:vllm:|logitpool_)[A-Za-z0-9_:]*", e)}
+    assert len(exprs) >= 15 and queried
+    assert queried <= served, sorted(queried - served)

@@ -174,6 +174,58 @@ def distribution(
     return torch.softmax(processed(row, params, prompt, output).double(), -1)
 
 
+PROBE = 64  # top-p rows whose nucleus ends inside their top 64 tokens draw in top-p order
+
+
+def draw_sequence(
+    row: torch.Tensor, params: SamplingParams, prompt: Sequence[int] = (), output: Sequence[int] = ()
+) -> tuple[list[int], list[float]]:
+    """Step 7d's candidates of one random row, in the order the inverse CDF walks them, with weights.
+
+    Top-k rows: the k kept tokens' own softmax, in top-p order (probability desc, id asc), top-p
+    applied to that. Other rows: the full row's softmax; with top-p, the nucleus, walked in top-p
+    order when it fits the top 64 (strictly above the 65th probability), else by id; without, by id.
+    """
+    x = before_temperature(row, params, prompt, output)
+    x = min_p(x / torch.tensor(params.temperature, dtype=torch.float32), params.min_p)
+    v = x.numel()
+    p = float(torch.tensor(params.top_p, dtype=torch.float32))
+    if 0 < params.top_k < v:
+        ids = order(x)[: params.top_k]
+        q = torch.softmax(x[ids][None], -1)[0]
+        seq = [ids[i] for i in order(q)]
+        w = [float(q[ids.index(t)]) for t in seq]
+        if p < 1.0:
+            total, before, n = sum(w), 0.0, 0
+            for wi in w:
+                if not before < p * total:
+                    break
+                before, n = before + wi, n + 1
+            seq, w = seq[:n], w[:n]
+        return seq, w
+    probs = torch.softmax(x[None], -1)[0]
+    if p >= 1.0:
+        return list(range(v)), probs.double().tolist()
+    kept = top_p_kept(x, p)
+    ranked = order(probs)
+    fits = len(kept) <= PROBE and (v <= PROBE or float(probs[kept[-1]]) > float(probs[ranked[PROBE]]))
+    seq = kept if fits else sorted(kept)
+    return seq, [float(probs[t]) for t in seq]
+
+
+def inverse_cdf(seq: Sequence[int], weights: Sequence[float], u: float) -> tuple[int, float]:
+    """(the token where the running sum of ``weights`` first exceeds ``u * total``, the distance of
+    that target from the nearest boundary relative to the total: callers skip rows within float noise)."""
+    total = sum(weights)
+    t, run = u * total, 0.0
+    for tok, w in zip(seq, weights):
+        if w > 0 and run + w > t:
+            return tok, min(t - run, run + w - t) / total
+        run += w
+    last = max(i for i, w in enumerate(weights) if w > 0)
+    return seq[last], 0.0
+
+
 def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     """Chi-square p-value of drawn ``tokens`` against ``probs``; fails outright on a zero-probability draw.
 

@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
+from tests.worker.model_fixtures import engine_config
 from tests.worker.test_engine import prompts_of
 from worker import AsyncEngine, SamplingParams
-from worker.config import EngineConfig
 
 
 def make_engine(loaded, **kw) -> AsyncEngine:
     return AsyncEngine(
-        EngineConfig(max_num_seqs=kw.pop("max_num_seqs", 16), load_entry_points=False, **kw), loaded=loaded
+        engine_config(max_num_seqs=kw.pop("max_num_seqs", 16), load_entry_points=False, **kw), loaded=loaded
     )
 
 

@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import PLUGIN_SITE
 from tests.fixtures.seed_processors import DummyLogitsProcessor, WrappedPerReqLogitsProcessor
+from tests.worker.model_fixtures import engine_config, suite_engine_kwargs
 from worker import LLM, SamplingParams
-from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.outputs import OutputAccumulator
 
@@ -21,7 +21,7 @@ DUMMY_FQCN = "tests.fixtures.seed_processors:DummyLogitsProcessor"
 def make_llm(loaded, **kw) -> LLM:
     kw.setdefault("max_num_seqs", 16)
     kw.setdefault("load_entry_points", False)
-    return LLM(loaded=loaded, **kw)
+    return LLM(loaded=loaded, **{**suite_engine_kwargs(), **kw})
 
 
 def prompts_of(loaded, n: int, lo: int = 5, hi: int = 60, seed: int = 0) -> list[list[int]]:
@@ -57,7 +57,7 @@ def test_greedy_equivalence_under_churn(tiny_model, reorder):
     moves (the tail reorder policy, which avoids most condense moves) happen; every request
     equals an independent HF generate(), token for token, logprobs within tolerance."""
     engine = LLMEngine(
-        EngineConfig(max_num_seqs=6, max_num_batched_tokens=48, load_entry_points=False, reorder_batch=reorder),
+        engine_config(max_num_seqs=6, max_num_batched_tokens=48, load_entry_points=False, reorder_batch=reorder),
         loaded=tiny_model,
     )
     prompts = prompts_of(tiny_model, 14, seed=1)
@@ -376,7 +376,7 @@ def test_raising_processor_is_isolated(tiny_model):
 
 
 def test_abort_frees_row_within_one_step(tiny_model):
-    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    engine = LLMEngine(engine_config(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
     prompts = prompts_of(tiny_model, 2, seed=16)
     for i, p in enumerate(prompts):
         engine.add_request(f"a{i}", p, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
@@ -411,7 +411,7 @@ def test_text_matches_full_decode(tiny_model):
 
 def test_a_request_id_can_be_reused_as_soon_as_it_finished(tiny_model):
     """The finished sequence still sits in the batch until the next update; the new one must not clash."""
-    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    engine = LLMEngine(engine_config(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
     prompt = prompts_of(tiny_model, 1, seed=19)[0]
     for _ in range(3):
         engine.add_request("same", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
@@ -422,7 +422,7 @@ def test_a_request_id_can_be_reused_as_soon_as_it_finished(tiny_model):
 
 
 def test_a_duplicate_running_request_id_is_answered_with_an_error(tiny_model):
-    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    engine = LLMEngine(engine_config(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
     prompt = prompts_of(tiny_model, 1, seed=20)[0]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     engine.add_request("dup", prompt, params)
@@ -435,3 +435,24 @@ def test_a_duplicate_running_request_id_is_answered_with_an_error(tiny_model):
     while engine.has_unfinished():
         finished = next((o for o in engine.step() if o.finished), finished)
     assert finished is not None and finished.outputs[0].finish_reason == "length"
+
+
+def test_queue_time_is_reported_on_a_sequences_last_output(tiny_model):
+    """The engine's queue time (arrival to first step in the batch, vLLM's) rides on a sequence's
+    last output only; with one row, the second request waits for the first to finish."""
+    engine = LLMEngine(engine_config(max_num_seqs=1, load_entry_points=False), loaded=tiny_model)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, prompt in enumerate(prompts_of(tiny_model, 2, seed=21)):
+        engine.add_request(f"q{i}", prompt, params)
+    queue: dict[str, float] = {}
+    for _ in range(100):
+        for out in engine.step():
+            (c,) = out.outputs
+            assert (c.queue_time_s is not None) == c.finished
+            if c.queue_time_s is not None:
+                queue[out.request_id] = c.queue_time_s
+        if not engine.has_unfinished():
+            break
+    assert set(queue) == {"q0", "q1"} and queue["q0"] >= 0.0
+    # q1 was admitted only after q0's last step: it waited through q0's whole run.
+    assert queue["q1"] > queue["q0"]

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from cluster.worker_deployment import LogitpoolWorker
+from tests.worker.model_fixtures import engine_config
 from tests.worker.test_engine import prompts_of
 from worker.async_engine import AsyncEngine
-from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.outputs import OutputAccumulator
 from worker.request import Scheduling
@@ -24,7 +24,7 @@ SMALL = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 def make_engine(loaded, policy: str = "fair", rows: int = ROWS) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(max_num_seqs=rows, max_num_batched_tokens=256, load_entry_points=False, scheduling_policy=policy),
+        engine_config(max_num_seqs=rows, max_num_batched_tokens=256, load_entry_points=False, scheduling_policy=policy),
         loaded=loaded,
     )
 
@@ -134,7 +134,7 @@ def test_priority_is_refused_under_fcfs_and_must_be_an_integer(tiny_model):
         engine.add_request("p", [5, 6], SMALL, Scheduling(priority=1))
     engine.add_request("p0", [5, 6], SMALL, Scheduling(priority=0))
     with pytest.raises(ValueError, match="priority"):
-        make_engine(tiny_model, rows=2).add_request("q", [5, 6], SMALL, Scheduling(priority=1.5))  # type: ignore[arg-type]
+        make_engine(tiny_model, rows=2).add_request("q", [5, 6], SMALL, Scheduling(priority=1.5))  # type: ignore[arg-type]  # a float priority is the test
 
 
 def test_through_the_worker_replica_a_small_request_starts_within_a_few_steps(tiny_model):
@@ -143,7 +143,7 @@ def test_through_the_worker_replica_a_small_request_starts_within_a_few_steps(ti
     engine steps of its arrival."""
 
     async def main() -> int:
-        cfg = EngineConfig(max_num_seqs=ROWS, max_num_batched_tokens=256, load_entry_points=False)
+        cfg = engine_config(max_num_seqs=ROWS, max_num_batched_tokens=256, load_entry_points=False)
         worker = LogitpoolWorker(cfg.as_kwargs(), engine_factory=lambda c: AsyncEngine(c, loaded=tiny_model))
         engine = worker.engine
         assert isinstance(engine, AsyncEngine)

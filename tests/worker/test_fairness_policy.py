@@ -29,7 +29,7 @@ def seq(rid: str, tenant: str, group: str, priority: int) -> Request:
         SamplingParams(),
         None,
         group=group,
-        tenant=tenant,  # type: ignore[arg-type]
+        tenant=tenant,
         priority=priority,
     )
 

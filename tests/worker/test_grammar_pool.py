@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -64,7 +65,7 @@ def eventually(probe: Callable[[], T | None], what: str) -> T:
 
 
 def compiler(pool: GrammarPool, **kw: float) -> StructuredCompiler:
-    return StructuredCompiler.from_vocab(VOCAB, [EOS], pool=pool, **kw)  # type: ignore[arg-type]
+    return StructuredCompiler.from_vocab(VOCAB, [EOS], pool=pool, **kw)  # type: ignore[arg-type]  # kw: the compiler's own numeric options
 
 
 def in_thread(fn: Callable[[], object], out: list[object]) -> threading.Thread:
@@ -92,7 +93,7 @@ def pools() -> list[GrammarPool]:
 
 
 def new_pool(pools: list[GrammarPool], **kw: float) -> GrammarPool:
-    pool = GrammarPool(PoolConfig(**kw))  # type: ignore[arg-type]
+    pool = GrammarPool(PoolConfig(**kw))  # type: ignore[arg-type]  # kw: PoolConfig's own numeric fields
     pools.append(pool)
     return pool
 
@@ -197,8 +198,8 @@ def test_oversize_constraints_are_rejected_before_compiling(pools: list[GrammarP
 
 
 def test_the_ingress_bounds_constraints_by_limits() -> None:
-    params = SamplingParams(structured_outputs={"json": {"enum": ["x" * 100]}})  # type: ignore[arg-type]
-    size = len(params.structured_outputs.spec)  # type: ignore[union-attr]
+    params = SamplingParams(structured_outputs={"json": {"enum": ["x" * 100]}})  # type: ignore[arg-type]  # a dict, as a request gives it (validated into the params)
+    size = len(params.structured_outputs.spec)  # type: ignore[union-attr]  # set on the line above
     with pytest.raises(
         ValueError, match=rf"^structured_outputs.json: {size} bytes exceeds limits.max_constraint_bytes \(64\)"
     ):
@@ -240,6 +241,9 @@ def test_workers_die_with_their_parent_even_mid_compile() -> None:
     parent = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE, env=env, cwd=REPO)
     try:
         assert parent.stdout is not None
+        # Bounded: a pool whose manager never starts a worker must fail this test, not hang it.
+        ready, _, _ = select.select([parent.stdout], [], [], WAIT_S)
+        assert ready, f"the orphaning parent printed no worker pids within {WAIT_S}s"
         pids = json.loads(parent.stdout.readline())
         assert pids and all(alive(p) for p in pids)
     finally:

@@ -16,10 +16,10 @@ from tests.worker.fault_processors import (
     ForceTokensProcessor,
     NaNProcessor,
 )
+from tests.worker.model_fixtures import engine_config
 from tests.worker.test_engine import make_llm, prompts_of
 from worker import AsyncEngine, SamplingParams
 from worker.async_engine import EngineDeadError
-from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.outputs import LOGPROB_FLOOR, OutputAccumulator
 
@@ -202,7 +202,7 @@ def _bystanders(loaded):
 def _run_with_culprits(loaded, processors, culprit_args: list[dict], join_at: int = 3) -> tuple[dict, LLMEngine]:
     """Bystanders start; after ``join_at`` steps the culprits join mid-flight; run to the end."""
     engine = LLMEngine(
-        EngineConfig(max_num_seqs=8, load_entry_points=False, logits_processors=tuple(processors)), loaded=loaded
+        engine_config(max_num_seqs=8, load_entry_points=False, logits_processors=tuple(processors)), loaded=loaded
     )
     prompts, params = _bystanders(loaded)
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -294,7 +294,7 @@ def assert_serves_again(engine: LLMEngine, loaded, prompt: list[int]) -> None:
 
 
 def test_forward_failure_fails_its_rows_and_the_engine_goes_on(tiny_model):
-    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    engine = LLMEngine(engine_config(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
     engine.runner.execute = _FailingForward(engine.runner.execute, fail_at=3)
     prompts = prompts_of(tiny_model, 2, seed=89)
     for i, p in enumerate(prompts):
@@ -315,7 +315,7 @@ def test_forward_failure_fails_its_rows_and_the_engine_goes_on(tiny_model):
 def test_a_fault_no_replay_reproduces_fails_the_step_and_the_engine_goes_on(tiny_model):
     """No row can be blamed: the rows of that step fail (as before isolation existed)."""
     engine = LLMEngine(
-        EngineConfig(max_num_seqs=4, load_entry_points=False, logits_processors=(FlakyApplyProcessor,)),
+        engine_config(max_num_seqs=4, load_entry_points=False, logits_processors=(FlakyApplyProcessor,)),
         loaded=tiny_model,
     )
     prompts = prompts_of(tiny_model, 2, seed=93)
@@ -345,7 +345,7 @@ class _NaNForward:
 
 
 def test_nan_from_the_model_is_named(tiny_model):
-    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    engine = LLMEngine(engine_config(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
     engine.runner.execute = _NaNForward(engine.runner.execute)
     prompts = prompts_of(tiny_model, 2, seed=94)
     for i, p in enumerate(prompts):
@@ -359,7 +359,7 @@ def test_nan_from_the_model_is_named(tiny_model):
 
 
 def test_a_row_whose_detokenizer_breaks_fails_alone(tiny_model):
-    engine = LLMEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+    engine = LLMEngine(engine_config(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
     prompts = prompts_of(tiny_model, 2, seed=90)
     engine.add_request("bad", prompts[0], SamplingParams(**GREEDY))
     engine.add_request("good", prompts[1], SamplingParams(**GREEDY))
@@ -382,7 +382,7 @@ def test_a_row_whose_detokenizer_breaks_fails_alone(tiny_model):
 def test_async_engine_stays_healthy_after_faults(tiny_model):
     async def main():
         engine = AsyncEngine(
-            EngineConfig(max_num_seqs=8, load_entry_points=False, logits_processors=(DummyLogitsProcessor,)),
+            engine_config(max_num_seqs=8, load_entry_points=False, logits_processors=(DummyLogitsProcessor,)),
             loaded=tiny_model,
         )
         prompts = prompts_of(tiny_model, 3, seed=91)
@@ -419,7 +419,7 @@ def test_engine_is_dead_only_when_it_cannot_rebuild(tiny_model):
     """A failure that even a rebuild cannot get past: the loop stops and healthy() says so at once."""
 
     async def main():
-        engine = AsyncEngine(EngineConfig(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+        engine = AsyncEngine(engine_config(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
         prompt = prompts_of(tiny_model, 1, seed=92)[0]
 
         def broken():

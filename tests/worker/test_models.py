@@ -107,11 +107,6 @@ def test_load_model_dtype_and_device(tiny_model: LoadedModel) -> None:
         load_model(path, dtype="float8")
 
 
-def _save_config_only(config, path):
-    config.save_pretrained(path)
-    return path
-
-
 def test_sliding_windows_and_softcapping_are_accepted() -> None:
     """The block attention masks per-layer windows and softcaps (tests/worker/test_model_matrix.py)."""
     import transformers

@@ -27,6 +27,7 @@ def delta_streams(draw):
                     float(-step),
                     [{t: Logprob(-1.0, 1)} for t in toks],
                     "length" if last else None,
+                    queue_time_s=draw(st.floats(0, 9)) if last else None,  # the engine sets it last only
                 )
             )
         deltas.append(RequestOutput("r", "p", [1, 2], outs, last))
@@ -49,6 +50,8 @@ def test_merging_any_consecutive_deltas_accumulates_the_same(deltas, data):
     for m in merged:
         got = acc.add(m)
     assert got.finished and want.finished
-    assert [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.cumulative_logprob) for c in got.outputs] == [
-        (c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.cumulative_logprob) for c in want.outputs
+    fields = ("index", "text", "token_ids", "logprobs", "finish_reason", "cumulative_logprob", "queue_time_s")
+    assert [[getattr(c, f) for f in fields] for c in got.outputs] == [
+        [getattr(c, f) for f in fields] for c in want.outputs
     ]
+    assert all(c.queue_time_s == d.queue_time_s for c, d in zip(got.outputs, deltas[-1].outputs))

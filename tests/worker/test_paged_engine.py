@@ -14,8 +14,8 @@ from typing import ClassVar
 import pytest
 import torch
 
+from tests.worker.model_fixtures import engine_config
 from tests.worker.test_engine import hf_greedy, prompts_of
-from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -26,10 +26,11 @@ from worker.sampling_params import SamplingParams
 
 
 def _engine(loaded, *, blocks: int | None = None, block_size: int = 8, **kw) -> LLMEngine:
-    kv = None if blocks is None else blocks * block_bytes(loaded, block_size)
     kw.setdefault("max_num_seqs", 8)
     kw.setdefault("max_num_batched_tokens", 64)
-    cfg = EngineConfig(load_entry_points=False, block_size=block_size, kv_cache_bytes=kv, **kw)
+    if blocks is not None:
+        kw["kv_cache_bytes"] = blocks * block_bytes(loaded, block_size)
+    cfg = engine_config(load_entry_points=False, block_size=block_size, **kw)
     return LLMEngine(cfg, loaded=loaded)
 
 
@@ -324,3 +325,36 @@ def test_cuda_greedy_equals_generate_with_preemption(tiny_model_dir) -> None:
     assert engine.kv_stats()["prefix_hit_tokens"] > 0
     for i, p in enumerate(prompts):
         assert done[f"r{i}"].outputs[0].token_ids == hf_greedy(loaded, p, 12)[0], f"request {i}"
+
+
+def test_num_cached_tokens_counts_the_prefix_cache_hits_of_each_prompt(tiny_model) -> None:
+    """RequestOutput.num_cached_tokens (OpenAI's usage.prompt_tokens_details.cached_tokens): the
+    prompt tokens the prefix cache served when the request was admitted, in whole blocks, never
+    the last prompt token (it is always computed)."""
+    prompt = prompts_of(tiny_model, 1, lo=37, hi=38, seed=45)[0]  # 4 full blocks of 8 + 5 tokens
+    other = prompts_of(tiny_model, 1, lo=30, hi=31, seed=46)[0]
+
+    def params(**kw: object) -> SamplingParams:
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": 3, "ignore_eos": True, **kw})  # type: ignore[arg-type]
+
+    deltas: dict[str, list[int | None]] = {}
+    engine = _engine(tiny_model, blocks=64, block_size=8)
+    requests = [
+        (prompt, params()),  # r0: cold
+        (prompt, params()),  # r1: an exact repeat, 4 blocks
+        (prompt[:20] + other[:10], params()),  # r2: shares 2 blocks
+        (other, params(n=3, seed=1, temperature=1.0)),  # r3: cold; its siblings' sharing is not a hit
+        (prompt, params(prompt_logprobs=1)),  # r4: prompt logprobs reuse no cached prefix
+    ]
+    done = _run(
+        engine,
+        requests,
+        stagger=8,
+        check_delta=lambda d, _: deltas.setdefault(d.request_id, []).append(d.num_cached_tokens),
+    )
+    assert [done[f"r{i}"].num_cached_tokens for i in range(5)] == [0, 32, 16, 0, 0]
+    assert all(len(set(seen)) == 1 for seen in deltas.values()), deltas  # every delta says the same
+
+    off = _engine(tiny_model, blocks=64, block_size=8, enable_prefix_caching=False)
+    again = _run(off, [(prompt, params()), (prompt, params())], stagger=8)
+    assert [again[f"r{i}"].num_cached_tokens for i in range(2)] == [0, 0]

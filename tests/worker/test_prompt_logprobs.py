@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.worker.model_fixtures import suite_engine_kwargs
 from tests.worker.test_engine import prompts_of
 from tests.worker.test_paged_engine import _engine
 from tests.worker.test_paged_engine import _run as run_paged
@@ -135,7 +136,7 @@ def test_one_token_prompt_has_only_the_leading_none(tiny_model) -> None:
 
 
 def test_offline_llm_returns_prompt_logprobs(tiny_model) -> None:
-    llm = LLM(loaded=tiny_model, load_entry_points=False)
+    llm = LLM(loaded=tiny_model, load_entry_points=False, **suite_engine_kwargs())
     prompt = prompts_of(tiny_model, 1, lo=12, hi=13, seed=9)[0]
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert_matches_reference(tiny_model, prompt, out.prompt_logprobs, 0)

@@ -272,11 +272,10 @@ def test_kv_pool_is_sized_once_from_blocks(tiny_model: LoadedModel) -> None:
 
 def test_budget_in_bytes_gives_whole_blocks(tiny_model: LoadedModel) -> None:
     per = block_bytes(tiny_model, 16)
-    kw = {"memory_fraction": 0.9, "default_tokens": 0}
-    assert num_blocks_for(tiny_model, 16, kv_cache_bytes=10 * per + per - 1, **kw) == 10
-    assert num_blocks_for(tiny_model, 16, kv_cache_bytes=None, memory_fraction=0.9, default_tokens=33) == 3
+    assert num_blocks_for(tiny_model, 16, kv_cache_bytes=10 * per + per - 1, default_tokens=0) == 10
+    assert num_blocks_for(tiny_model, 16, kv_cache_bytes=None, default_tokens=33) == 3
     with pytest.raises(ValueError, match="kv_cache_bytes"):
-        num_blocks_for(tiny_model, 16, kv_cache_bytes=per - 1, **kw)
+        num_blocks_for(tiny_model, 16, kv_cache_bytes=per - 1, default_tokens=0)
 
 
 def test_execute_rejects_inconsistent_steps(tiny_model: LoadedModel) -> None:

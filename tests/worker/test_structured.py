@@ -56,8 +56,8 @@ def compiler() -> StructuredCompiler:
 
 
 def _constrained(so: dict, compiler: StructuredCompiler, **kw: object) -> SamplingParams:
-    params = SamplingParams(structured_outputs=dict(so), **kw)  # type: ignore[arg-type]
-    params.structured_outputs.compiled = compiler.compile(params.structured_outputs)  # type: ignore[union-attr]
+    params = SamplingParams(structured_outputs=dict(so), **kw)  # type: ignore[arg-type]  # a dict, as a request gives it
+    params.structured_outputs.compiled = compiler.compile(params.structured_outputs)  # type: ignore[union-attr]  # set on the line above
     return params
 
 
@@ -236,7 +236,7 @@ def test_admits_nothing_is_a_proof_or_false() -> None:
 )
 def test_shape_errors_before_any_compile(value: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
-        SamplingParams(structured_outputs=value)  # type: ignore[arg-type]
+        SamplingParams(structured_outputs=value)  # type: ignore[arg-type]  # a malformed dict is the test
 
 
 def test_cache_is_lru_keyed_by_constraint() -> None:
@@ -271,7 +271,7 @@ def test_compiled_grammar_never_pickled(compiler: StructuredCompiler) -> None:
 def test_uncompiled_params_are_refused_by_the_processor() -> None:
     proc = StructuredOutputsLogitsProcessor(None, torch.device("cpu"), False)
     with pytest.raises(ValueError, match="not compiled"):
-        _add(proc, SamplingParams(structured_outputs={"regex": "a"}))  # type: ignore[arg-type]
+        _add(proc, SamplingParams(structured_outputs={"regex": "a"}))  # type: ignore[arg-type]  # a dict, as a request gives it
 
 
 def test_choice_escapes_quotes_and_backslashes(compiler: StructuredCompiler) -> None:

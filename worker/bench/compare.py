@@ -26,8 +26,15 @@ def run_tree(tree: Path, spec: dict, timeout_s: float) -> dict[str, dict]:
     """The child under ``tree``'s ``worker`` package (PYTHONPATH first, so it wins over the install)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     child = Path(__file__).with_name("engine_child.py")
-    proc = subprocess.run([sys.executable, str(child), json.dumps(spec)], env=env, cwd=tree, timeout=timeout_s,
-                          capture_output=True, text=True)
+    proc = subprocess.run(  # check=False: a failed child's stderr is the error below
+        [sys.executable, str(child), json.dumps(spec)],
+        env=env,
+        cwd=tree,
+        timeout=timeout_s,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{tree}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -45,17 +52,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child run")
     args = p.parse_args(argv)
     model = peer_model_path() if args.model_size == "80m" else build_tiny_model(default_model_path())
-    spec = {"model": str(model), "concurrency": args.concurrency, "budget": 2048, "max_model_len": 1024,
-            "prompt": args.prompt, "new": args.new, "threads": args.threads}
+    spec = {
+        "model": str(model),
+        "concurrency": args.concurrency,
+        "budget": 2048,
+        "max_model_len": 1024,
+        "prompt": args.prompt,
+        "new": args.new,
+        "threads": args.threads,
+    }
     trees = {"new": HERE, "old": Path(args.old).resolve()}
     runs: dict[str, list[dict]] = {"new": [], "old": []}
     for r in range(args.rounds):
-        for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
+        for name in ("new", "old") if r % 2 == 0 else ("old", "new"):
             runs[name].append(run_tree(trees[name], spec, args.timeout))
             rates = ", ".join(f"N={n} {v['tok_s']:.0f} tok/s" for n, v in runs[name][-1].items())
             print(f"round {r + 1} {name}: {rates}", flush=True)
-    print(f"\n{args.model_size} model, prompt {args.prompt}, {args.new} new, greedy, {args.threads} threads; "
-          f"{args.rounds} alternating rounds\n")
+    print(
+        f"\n{args.model_size} model, prompt {args.prompt}, {args.new} new, greedy, {args.threads} threads; "
+        f"{args.rounds} alternating rounds\n"
+    )
     print("| N | new tok/s (rounds) | old tok/s (rounds) | new / old (median of rounds) | same tokens |")
     print("|---|---|---|---|---|")
     for n in map(str, args.concurrency):
@@ -63,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         old = [run[n]["tok_s"] for run in runs["old"]]
         ratio = statistics.median(a / b for a, b in zip(new, old))
         same = len({run[n]["digest"] for run in runs["new"] + runs["old"]}) == 1
-        print(f"| {n} | {' / '.join(f'{x:.0f}' for x in new)} | {' / '.join(f'{x:.0f}' for x in old)} "
-              f"| {ratio:.2f}x | {'yes' if same else 'NO'} |", flush=True)
+        print(
+            f"| {n} | {' / '.join(f'{x:.0f}' for x in new)} | {' / '.join(f'{x:.0f}' for x in old)} "
+            f"| {ratio:.2f}x | {'yes' if same else 'NO'} |",
+            flush=True,
+        )
     return 0
 
 

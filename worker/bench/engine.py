@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +26,7 @@ from worker.bench import fairness, workloads
 from worker.bench.latency import engine_stream, measure
 from worker.bench.peer import PeerWorkload, run_peer, same_tokens
 from worker.bench.peer_model import peer_model_path
-from worker.config import EngineConfig
+from worker.config import SCHEDULING_POLICIES, EngineConfig
 from worker.llm import LLM
 from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model
 from worker.sampling_params import SamplingParams
@@ -127,7 +129,7 @@ async def amain(args: argparse.Namespace) -> None:
     if chosen & {"shared-prefix", "capacity", "pressure", "all"}:
         print("\n| workload | paged engine | comparison | transformers / other | ratio |\n|---|---|---|---|---|")
     if chosen & {"shared-prefix", "all"}:
-        hf_batch = None if args.skip_hf else lambda *a: run_hf(*a, batched=True)
+        hf_batch = None if args.skip_hf else functools.partial(run_hf, batched=True)
         row, prompts, on = workloads.shared_prefix(
             loaded, hf_batch, n=args.prefix_requests, prefix=args.prefix_len, own=32, new=32, budget=args.token_budget
         )
@@ -238,7 +240,7 @@ def print_peer(
         print(f"| {work.name} | {mine} | {other} | {ratio:.2f}x | {same_tokens(tokens, got['tokens'])} |", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="logitpool bench engine")
     p.add_argument("--model", help="model path (default: built by --model-size)")
     p.add_argument(
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--token-budget", type=int, default=2048)
+    p.add_argument("--token-budget", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hf-single-max", type=int, default=64, help="cap on one-at-a-time requests timed")
     p.add_argument("--soak", type=int, default=0, help="also run this many requests with churn (e.g. 1000)")
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-requests", type=int, default=256)
     p.add_argument("--capacity-len", type=int, default=256, help="prompt + new tokens per capacity request")
     p.add_argument("--capacity-new", type=int, default=64, help="new tokens of each capacity request")
-    p.add_argument("--fair-policies", nargs="+", default=["fair", "fcfs"], choices=["fair", "priority", "fcfs"])
+    p.add_argument("--fair-policies", nargs="+", default=["fair", "fcfs"], choices=SCHEDULING_POLICIES)
     p.add_argument("--fair-rows", type=int, default=64, help="max_num_seqs of the fairness workload")
     p.add_argument("--fair-prompts", type=int, default=64, help="prompts of the maximal request")
     p.add_argument("--fair-n", type=int, default=4, help="n of the maximal request (prompts x n: its sequences)")

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from worker.async_engine import AsyncEngine
 from worker.bench.latency import pct
-from worker.config import EngineConfig
+from worker.config import EngineConfig, SchedulingPolicy
 from worker.model.loader import LoadedModel
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ from worker.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class Fairness:
-    policy: str
+    policy: SchedulingPolicy
     alone_ms: float
     hog_p50_ms: float
     hog_max_ms: float
@@ -62,7 +63,7 @@ async def _small(engine: AsyncEngine, rid: str, prompt: list[int], tokens: int) 
 
 async def measure(
     loaded: LoadedModel,
-    policy: str,
+    policy: SchedulingPolicy,
     *,
     rows: int,
     hog_prompts: int,
@@ -75,9 +76,9 @@ async def measure(
     engine = AsyncEngine(
         EngineConfig(
             max_num_seqs=rows,
-            max_num_batched_tokens=max(2048, rows),
+            max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, rows),
             load_entry_points=False,
-            scheduling_policy=policy,  # type: ignore[arg-type]
+            scheduling_policy=policy,
         ),
         loaded=loaded,
     )
@@ -110,7 +111,7 @@ async def measure(
     return Fairness(policy, pct(alone, 0.5), pct(ms, 0.5), max(ms), max(u[1] for u in under), len(under))
 
 
-async def table(loaded: LoadedModel, policies: list[str], **kw: int) -> str:
+async def table(loaded: LoadedModel, policies: Sequence[SchedulingPolicy], **kw: int) -> str:
     """One row per policy (printed by `logitpool bench engine --workload fairness`)."""
     rows = [(await measure(loaded, policy, **kw)).row() for policy in policies]
     return "\n".join([HEADER, *rows])

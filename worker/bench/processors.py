@@ -22,35 +22,34 @@ import torch
 
 from worker.bench.sampler import _median_ms
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor
-from worker.logits_processor.library import (
-    LIBRARY_PROCESSORS,
-    DRYLogitsProcessor,
-    EpsilonLogitsProcessor,
-    EtaLogitsProcessor,
-    MirostatLogitsProcessor,
-    NoRepeatNgramLogitsProcessor,
-    TopALogitsProcessor,
-    TypicalPLogitsProcessor,
-    XTCLogitsProcessor,
-)
+from worker.logits_processor.library import LIBRARY_PROCESSORS
+from worker.logits_processor.schema import declared_keys
 from worker.sampling_params import SamplingParams
 
-# Typical settings of each processor (from their authors' and llama.cpp's defaults).
-ARGS: dict[type[LogitsProcessor], dict[str, Any]] = {
-    DRYLogitsProcessor: {
-        "dry_multiplier": 0.8,
-        "dry_base": 1.75,
-        "dry_allowed_length": 2,
-        "dry_sequence_breakers": [[13], [25], [1], [42]],
-    },
-    XTCLogitsProcessor: {"xtc_probability": 0.5, "xtc_threshold": 0.1},
-    TypicalPLogitsProcessor: {"typical_p": 0.9},
-    TopALogitsProcessor: {"top_a": 0.2},
-    EpsilonLogitsProcessor: {"epsilon_cutoff": 3e-4},
-    EtaLogitsProcessor: {"eta_cutoff": 3e-4},
-    NoRepeatNgramLogitsProcessor: {"no_repeat_ngram_size": 3},
-    MirostatLogitsProcessor: {"mirostat": 2, "mirostat_tau": 5.0, "mirostat_eta": 0.1},
+# Typical settings of the library's extra_args keys (from their authors' and llama.cpp's
+# defaults), by key: each processor of LIBRARY_PROCESSORS runs with the keys it declares.
+TYPICAL_EXTRA_ARGS: dict[str, Any] = {
+    "dry_multiplier": 0.8,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_sequence_breakers": [[13], [25], [1], [42]],
+    "xtc_probability": 0.5,
+    "xtc_threshold": 0.1,
+    "typical_p": 0.9,
+    "top_a": 0.2,
+    "epsilon_cutoff": 3e-4,
+    "eta_cutoff": 3e-4,
+    "no_repeat_ngram_size": 3,
+    "mirostat": 2,
+    "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1,
 }
+
+
+def typical_args(cls: type[LogitsProcessor]) -> dict[str, Any]:
+    """``cls``'s share of TYPICAL_EXTRA_ARGS: what enables it in the benchmark."""
+    keys = declared_keys(cls) or frozenset()
+    return {k: v for k, v in TYPICAL_EXTRA_ARGS.items() if k in keys}
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ def run_case(
     """One table row; with ``rounds`` > 1 the lowest of that many medians (shared machines)."""
     cpu = torch.device("cpu")
     procs = [c(None, cpu, False) for c in classes]
-    extra = {k: val for c in classes for k, val in ARGS[c].items()} if fraction > 0 else None
+    extra = {k: val for c in classes for k, val in typical_args(c).items()} if fraction > 0 else None
     s = _Step(procs, extra, fraction, b, v, seed)
     ms = min(_median_ms(s.step, s.before, warmup, repeats) for _ in range(rounds))
     name = classes[0].__name__ if len(classes) == 1 else f"all {len(classes)} loaded, unused"

@@ -117,12 +117,12 @@ def run_case(
     procs.update_state(pb.update([], [(str(i), p, prompt, out) for i, (p, prompt, out) in enumerate(rows)]))
     md = pb.sampling_metadata()
     sampler = Sampler(procs, generator=torch.Generator().manual_seed(seed))
-    noop = lambda: None  # noqa: E731
+    noop = lambda: None
     sampler_ms = copy_ms = clone_ms = float("inf")
     for _ in range(rounds):
         sampler_ms = min(sampler_ms, _median_ms(lambda: sampler(buf, md), lambda: buf.copy_(logits), warmup, repeats))
         copy_ms = min(copy_ms, _median_ms(lambda: dst.copy_(logits), noop, warmup, repeats))
-        clone_ms = min(clone_ms, _median_ms(lambda: logits.clone(), noop, warmup, repeats))
+        clone_ms = min(clone_ms, _median_ms(logits.clone, noop, warmup, repeats))
     label = "randn" if scale == 1.0 else f"randn*{scale:g}"
     return Result(batch_size, vocab_size, mix, label, sampler_ms, copy_ms, clone_ms)
 
@@ -132,11 +132,11 @@ def table(results: Sequence[Result]) -> str:
         "| B | V | mix | logits | median ms | copy_ ms | × copy_ pass | clone ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        lines.append(
-            f"| {r.batch_size} | {r.vocab_size} | {r.mix} | {r.logits} | {r.sampler_ms:.2f} | "
-            f"{r.copy_ms:.2f} | {r.passes:.1f} | {r.clone_ms:.2f} |"
-        )
+    lines += [
+        f"| {r.batch_size} | {r.vocab_size} | {r.mix} | {r.logits} | {r.sampler_ms:.2f} | "
+        f"{r.copy_ms:.2f} | {r.passes:.1f} | {r.clone_ms:.2f} |"
+        for r in results
+    ]
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ two heavy compiles hold the pool (one runs in the heavy lane, one waits for it).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ from worker.logits_processor.structured import (
     StructuredOutputsLogitsProcessor,
     apply_token_bitmask_,
 )
-from worker.logits_processor.structured_grammar import StructuredCompiler
+from worker.logits_processor.structured_grammar import StructuredCompiler, bitmask_words
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 from worker.structured_outputs import StructuredOutputsParams
@@ -144,11 +145,12 @@ def step_costs(tokenizer: Any, vocab_size: int, batch_size: int, steps: int, see
             sample_ms.append(_median_ms(lambda: sampler(buf, md), lambda: buf.copy_(logits), 1))
             if constrained:  # the processor's parts, on the state the sampler just saw
                 items = list(proc.states.items())
-                bitmask = proc._host_bitmask(batch_size, vocab_size)
+                bitmask = proc._bitmask.host(batch_size, bitmask_words(vocab_size))
                 t0 = time.perf_counter()
                 proc._filler.fill([r.matcher for _, r in items], [i for i, _ in items], bitmask)
                 fill_ms.append((time.perf_counter() - t0) * 1e3)
-                apply_ms.append(_median_ms(lambda: apply_token_bitmask_(buf, bitmask), lambda: buf.copy_(logits), 1))
+                apply = functools.partial(apply_token_bitmask_, buf, bitmask)
+                apply_ms.append(_median_ms(apply, lambda: buf.copy_(logits), 1))
             for i, out in enumerate(outs):
                 out.append(docs[i % len(docs)][t])
             procs.update_state(None)

@@ -57,9 +57,6 @@ class BlockPool:
     def lookup(self, address: BlockHash) -> int | None:
         return self._cached.get(address)
 
-    def address_of(self, block: int) -> BlockHash | None:
-        return self._hash_of.get(block)
-
     def cached(self) -> CachedBlocks:
         """Every cached address and the free count, copied (call it where the pool is changed)."""
         return CachedBlocks(tuple(self._hash_of.values()), len(self._free), self.num_blocks)
@@ -114,8 +111,3 @@ class BlockPool:
         self._cached[address] = block
         self._hash_of[block] = address
         return True
-
-    def reset_cache(self) -> None:
-        """Forget every cached prefix (blocks keep their references)."""
-        self._cached.clear()
-        self._hash_of.clear()

@@ -10,7 +10,6 @@ LogitBias (5), MinP (7b, argmax-invariant).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -19,8 +18,10 @@ import torch
 
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor
 from worker.logits_processor.state import RowStates
+from worker.ops.cutoff import drop_below_
+from worker.ops.plan import RowGroup, runs_of
+from worker.ops.scratch import Buffer
 from worker.ops.staging import stage
-from worker.ops.workspace import Workspace
 from worker.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -228,14 +229,7 @@ class MinPLogitsProcessor(_SparseRows[float]):
 
     def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(config, device, is_pin_memory)
-        self._ws = Workspace(self.device)
-        # index_reduce_ (used in apply) warns once per process that it is a beta API; spend that
-        # one warning here, silenced, instead of in a user's first step.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            torch.zeros(1, 1, device=self.device).index_reduce_(
-                0, torch.zeros(1, dtype=torch.int64, device=self.device), torch.zeros(1, 1, device=self.device), "amin"
-            )
+        self._diff = Buffer()
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -247,27 +241,17 @@ class MinPLogitsProcessor(_SparseRows[float]):
 
     def _rebuild(self, vocab_size: int) -> None:
         items = list(self.states.items())
-        self._row_list = [r for r, _ in items]
-        self._rows = self._stage(self._row_list, torch.int64)
+        rows = [r for r, _ in items]
+        self._rows = RowGroup(tuple(rows), self._stage(rows, torch.int64), runs_of(rows))
         self._log_min_p = self._stage([math.log(m) for _, m in items], torch.float32)[:, None]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.states:
             return logits
         self._ensure_built(logits.shape[1])
-        n, v = len(self._row_list), logits.shape[1]
-        whole = self._row_list == list(range(logits.shape[0]))
-        if whole:
-            sub = logits
-        else:
-            sub = torch.index_select(logits, 0, self._rows, out=self._ws.get("rows", (n, v), logits.dtype))
-        threshold = sub.amax(-1, keepdim=True) + self._log_min_p.to(sub.dtype)
-        # Branch-free "x < threshold -> -inf": min(x, copysign(inf, x - threshold)) where
-        # copysign gives +inf for kept tokens (x == threshold too) and -inf for dropped ones.
-        d = torch.sub(sub, threshold, out=self._ws.get("diff", (n, v), sub.dtype))
-        torch.copysign(torch.tensor(float("inf"), dtype=sub.dtype, device=sub.device), d, out=d)
-        if whole:
-            torch.minimum(logits, d, out=logits)
-        else:  # the min and the write-back in one pass over the active rows
-            logits.index_reduce_(0, self._rows, d, "amin")
+        threshold = torch.empty(len(self._rows), 1, dtype=logits.dtype, device=logits.device)
+        for run in self._rows.runs:  # the active rows in place, a stretch of consecutive rows at a time
+            sub, local = logits[run.batch : run.batch + run.length], slice(run.local, run.local + run.length)
+            torch.add(sub.amax(-1, keepdim=True), self._log_min_p[local].to(sub.dtype), out=threshold[local])
+        drop_below_(logits, self._rows, threshold, self._diff)
         return logits

@@ -28,6 +28,7 @@ the whole grammar's FSM), and the deserialized copies no longer share it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import heapq
 import itertools
@@ -223,10 +224,8 @@ class _Manager:
         with self._wake_lock:  # never a write to the wake pipe once it is closed (its fd may be reused)
             if not self._closed:
                 self.inbox.put(task)
-                try:
+                with contextlib.suppress(BlockingIOError):  # the pipe is full: the loop is about to wake anyway
                     os.write(self._wake_w, b"\0")
-                except BlockingIOError:
-                    pass  # the pipe is full: the loop is about to wake anyway
                 return
         if task is not None:
             task.finish(Verdict(Outcome.UNAVAILABLE, "the compile pool shut down"))
@@ -343,7 +342,7 @@ class _Manager:
             self._kill(p, Verdict(Outcome.UNAVAILABLE, "the compile worker did not start in time"))
         elif task is None:  # idle for idle_s: retired
             self._kill(p, None)
-        elif p.heavy or now - p.started_at >= task.timeout_s:  # type: ignore[operator]
+        elif p.heavy or (p.started_at is not None and now - p.started_at >= task.timeout_s):
             self.kills += 1
             self._kill(p, Verdict(Outcome.TIMEOUT))
         else:
@@ -519,10 +518,8 @@ class _Manager:
             p.popen.kill()
         for pipe in (p.popen.stdin, p.popen.stdout):
             if pipe is not None:
-                try:
+                with contextlib.suppress(OSError):
                     pipe.close()
-                except OSError:
-                    pass
         try:
             p.popen.wait(10.0)  # SIGKILLed: gone at once, unless the kernel is very busy
         except subprocess.TimeoutExpired:
@@ -535,7 +532,7 @@ _SHARED_LOCK = threading.Lock()
 
 def shared_pool() -> GrammarPool:
     """The process's pool (one per process id: a forked child gets its own), started lazily."""
-    global _SHARED
+    global _SHARED  # noqa: PLW0603 - the process's one pool, made lazily under _SHARED_LOCK
     with _SHARED_LOCK:
         if _SHARED is None or _SHARED[0] != os.getpid():
             pool = GrammarPool()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from collections import OrderedDict
 from typing import Any
 
@@ -58,13 +59,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
 # -- the child process -------------------------------------------------------------------------
 
 
-def _transformers_stub() -> Any:
+def _transformers_stub() -> types.ModuleType:
     """What xgrammar.tokenizer_info imports from transformers (only for ``from_huggingface``)."""
-    import types
-
     mod = types.ModuleType("transformers")
-    mod.PreTrainedTokenizerBase = type("PreTrainedTokenizerBase", (), {})  # type: ignore[attr-defined]
-    mod.PreTrainedTokenizerFast = type("PreTrainedTokenizerFast", (mod.PreTrainedTokenizerBase,), {})  # type: ignore[attr-defined]
+    base = type("PreTrainedTokenizerBase", (), {})
+    fast = type("PreTrainedTokenizerFast", (base,), {})
+    mod.__dict__.update(PreTrainedTokenizerBase=base, PreTrainedTokenizerFast=fast)
     return mod
 
 
@@ -72,7 +72,6 @@ def _import_xgrammar(lean: bool) -> tuple[Any, Any]:
     """(GrammarCompiler, TokenizerInfo): lean = without xgrammar's package __init__, torch, transformers."""
     if lean:
         import importlib.util
-        import types
 
         found = importlib.util.find_spec("xgrammar")
         if found is None or not found.submodule_search_locations:

@@ -22,6 +22,7 @@ import torch
 from worker.logits_processor.interface import BatchUpdate, LogitsProcessor
 from worker.logits_processor.state import RowStates
 from worker.logits_processor.structured_grammar import GrammarMatcher, MaskFiller, bitmask_words
+from worker.ops.staging import DoubleBuffer
 from worker.sampling_params import SamplingParams
 
 _BITS = 32
@@ -66,7 +67,9 @@ class StructuredOutputsLogitsProcessor(LogitsProcessor):
         self.is_pin_memory = is_pin_memory
         self.states: RowStates[_Row] = RowStates(self._state)
         self._filler = MaskFiller()
-        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
+        # The host bitmask of a step reaches the device by a non-blocking copy: the next step
+        # fills the other half of the pair, and waits for this copy before reusing this one.
+        self._bitmask = DoubleBuffer(torch.int32, self.device, is_pin_memory)
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -82,21 +85,13 @@ class StructuredOutputsLogitsProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         self.states.update(batch_update)
 
-    def _host_bitmask(self, rows: int, vocab_size: int) -> torch.Tensor:
-        words = bitmask_words(vocab_size)
-        if self._bitmask.shape[0] < rows or self._bitmask.shape[1] != words:
-            self._bitmask = torch.empty(
-                max(rows, self._bitmask.shape[0]), words, dtype=torch.int32, pin_memory=self.is_pin_memory
-            )
-        return self._bitmask[:rows]
-
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.states:
             return logits
         items = list(self.states.items())
         for _, row in items:
             row.sync()
-        bitmask = self._host_bitmask(logits.shape[0], logits.shape[1])
+        bitmask = self._bitmask.host(logits.shape[0], bitmask_words(logits.shape[1]))
         bitmask.fill_(-1)  # unconstrained rows: every token allowed, so masked_fill_ leaves them as they are
         self._filler.fill([r.matcher for _, r in items], [i for i, _ in items], bitmask)
-        return apply_token_bitmask_(logits, bitmask)
+        return apply_token_bitmask_(logits, self._bitmask.to_device(bitmask))

@@ -215,7 +215,7 @@ def admits_nothing(compiled: CompiledConstraint, tokens: Sequence[int], budget: 
         return False
     stack = [iter(first)]
     for _ in range(budget):
-        while stack and (t := next(stack[-1], None)) is None:
+        while stack and (t := next(stack[-1], -1)) < 0:  # -1: this level's bytes are exhausted
             stack.pop()
             if stack:
                 m.rollback(1)
@@ -318,11 +318,11 @@ class StructuredCompiler:
 
     @classmethod
     def from_vocab(
-        cls, tokens: Sequence[str | bytes], stop_token_ids: Sequence[int], *, vocab_size: int | None = None, **kw: Any
+        cls, tokens: list[str] | list[bytes], stop_token_ids: Sequence[int], *, vocab_size: int | None = None, **kw: Any
     ) -> StructuredCompiler:
         """From each token's decoded text (empty = special, never matched)."""
         info = xgr.TokenizerInfo(
-            list(tokens), xgr.VocabType.RAW, vocab_size=vocab_size or len(tokens), stop_token_ids=list(stop_token_ids)
+            tokens, xgr.VocabType.RAW, vocab_size=vocab_size or len(tokens), stop_token_ids=list(stop_token_ids)
         )
         return cls(info, **kw)
 

@@ -8,6 +8,7 @@ logit softcapping, so sinks, MLA, chunked attention, linear/SSM hybrids and mult
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sysconfig
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.config import DTYPE_NAMES
+
 if TYPE_CHECKING:  # transformers loads lazily, in the functions that need it
     from transformers import (
         GenerationConfig,
@@ -26,6 +29,8 @@ if TYPE_CHECKING:  # transformers loads lazily, in the functions that need it
         PreTrainedTokenizerBase,
         PreTrainedTokenizerFast,
     )
+
+logger = logging.getLogger(__name__)
 
 # Bump when the tiny model's recipe changes, so cached builds with the same arguments are redone.
 _TINY_BUILD_VERSION = 1
@@ -74,18 +79,6 @@ def default_model_path() -> Path:
 # --------------------------------------------------------------------------- loading
 
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
 def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     if dtype is None:
         return torch.float32
@@ -94,15 +87,50 @@ def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     if dtype == "auto":
         return "auto"
     try:
-        return _DTYPES[dtype]
+        return getattr(torch, DTYPE_NAMES[dtype])  # worker.config's table: names of torch dtypes
     except KeyError:
-        raise ValueError(f"dtype {dtype!r} is not one of 'auto', {sorted(_DTYPES)}") from None
+        raise ValueError(f"dtype {dtype!r} is not one of 'auto', {sorted(DTYPE_NAMES)}") from None
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
+def auto_dtype(checkpoint: torch.dtype | None, device: torch.device, bf16_supported: bool) -> torch.dtype:
+    """``dtype: auto``: the checkpoint's dtype, except a float32 one on a GPU runs in bfloat16
+    (float16 where the GPU lacks bfloat16), as vLLM does: fp32 there doubles the bytes every
+    decode step reads for no accuracy a served model needs. On CPU the checkpoint's dtype stays."""
+    dtype = checkpoint or torch.float32
+    if dtype == torch.float32 and device.type == "cuda":
+        return torch.bfloat16 if bf16_supported else torch.float16
+    return dtype
+
+
+def _load_dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, device: torch.device) -> torch.dtype | str:
+    """The dtype the weights load in. ``auto`` on a GPU is resolved here (``auto_dtype``) and said
+    at start-up; elsewhere transformers resolves it, as before."""
+    resolved = _resolve_dtype(dtype)
+    if isinstance(resolved, torch.dtype) or device.type != "cuda":
+        return resolved
+    checkpoint = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = getattr(torch, checkpoint)
+    chosen = auto_dtype(checkpoint, device, torch.cuda.is_bf16_supported())
+    if chosen != checkpoint:
+        was, runs = (str(d).removeprefix("torch.") for d in (checkpoint or torch.float32, chosen))
+        logger.info("dtype auto: a %s checkpoint runs in %s on %s (as vLLM does)", was, runs, device)
+    return chosen
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` = CUDA when available, else CPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def from_pretrained_kwargs(device: torch.device, dtype: torch.dtype | str) -> dict[str, object]:
+    """On an accelerator the weights load straight onto it (``device_map``): through host RAM an
+    8B model needs 16 GB of it per replica. On CPU nothing changes."""
+    if device.type == "cpu":
+        return {"dtype": dtype}
+    return {"dtype": dtype, "device_map": device}
 
 
 def unsupported_reason(config: PretrainedConfig) -> str | None:
@@ -167,8 +195,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer (local path or hub id) through the real HF path.
 
-    ``dtype`` None means float32; "auto" takes the checkpoint's dtype. ``device`` None means CUDA
-    when available, else CPU. Raises ValueError for models the runner cannot serve exactly.
+    ``dtype`` None means float32; "auto" takes the checkpoint's dtype (a float32 one runs in
+    bfloat16 on a GPU: ``auto_dtype``). ``device`` None means CUDA when available, else CPU.
+    Raises ValueError for models the runner cannot serve exactly.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -177,12 +206,14 @@ def load_model(
     reason = unsupported_reason(config)
     if reason is not None:
         raise ValueError(f"model {name!r} ({config.model_type}) is not supported: {reason}")
-    target = _resolve_device(device)
-    hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=_resolve_dtype(dtype))
+    target = resolve_device(device)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        name, **from_pretrained_kwargs(target, _load_dtype(dtype, config, target))
+    )
     reason = _model_reason(hf_model)
     if reason is not None:
         raise ValueError(f"model {name!r} ({config.model_type}) is not supported: {reason}")
-    hf_model = hf_model.to(target).eval()
+    hf_model = hf_model.to(target).eval()  # a no-op where device_map placed it
     tokenizer = AutoTokenizer.from_pretrained(name)
     text_config = hf_model.config.get_text_config()
     return LoadedModel(

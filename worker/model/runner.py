@@ -58,27 +58,11 @@ def block_bytes(loaded: LoadedModel, block_size: int) -> int:
     return 2 * layers * block_size * kv_heads * head_dim * loaded.dtype.itemsize
 
 
-def num_blocks_for(
-    loaded: LoadedModel,
-    block_size: int,
-    *,
-    kv_cache_bytes: int | None,
-    memory_fraction: float,
-    default_tokens: int,
-) -> int:
-    """How many blocks the KV budget holds.
-
-    ``kv_cache_bytes`` when given; else on CUDA ``memory_fraction`` of the free device memory
-    (after the weights are loaded); else (CPU) room for ``default_tokens`` tokens.
-    """
+def num_blocks_for(loaded: LoadedModel, block_size: int, *, kv_cache_bytes: int | None, default_tokens: int) -> int:
+    """How many blocks the KV budget holds: ``kv_cache_bytes`` when given (on a GPU, the profiled
+    budget of ``worker.model.profile`` unless the config sets one), else room for ``default_tokens``."""
     per_block = block_bytes(loaded, block_size)
-    if kv_cache_bytes is not None:
-        budget = kv_cache_bytes
-    elif loaded.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(loaded.device)
-        budget = int(free * memory_fraction)
-    else:
-        budget = -(-default_tokens // block_size) * per_block
+    budget = -(-default_tokens // block_size) * per_block if kv_cache_bytes is None else kv_cache_bytes
     blocks = budget // per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_bytes: {budget} bytes hold no KV block of {per_block} bytes")

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from worker.ops.blocks import block_reduce, block_size, gather_blocks
+from worker.ops.blocks import block_columns, block_reduce, block_size, gather_blocks
+from worker.ops.plan import RowGroup
 
 
 def uniforms(
@@ -78,7 +79,7 @@ def draw_rows(
 
     ``block_sums`` ([n, nb], as ``row_block_sums`` returns) may be passed when already computed.
     """
-    n, v = probs.shape
+    _, v = probs.shape
     bs = block_size(v)
     if block_sums is None:
         block_sums = row_block_sums(probs)
@@ -89,10 +90,17 @@ def draw_rows(
     t = u * torch.where(ok, total, 0.0)
     blk = search(bsum, t)
     before = torch.where(blk > 0, bsum.cumsum(-1).gather(1, (blk - 1).clamp_min(0)[:, None]).squeeze(1), 0.0)
-    vals, ids = gather_blocks(probs, None, blk[:, None], bs, 0.0)
+    vals, starts = gather_blocks(probs, None, blk[:, None], bs, 0.0)
     vals = torch.where(ok[:, None], vals.to(torch.float64), 0.0)
     j = search(vals, (t - before).clamp_min(0.0))
-    return ids.gather(1, j[:, None]).squeeze(1), ok
+    return block_columns(starts, j[:, None], bs).squeeze(1), ok
+
+
+def softmax_rows(x: torch.Tensor, rows: RowGroup, out: torch.Tensor) -> torch.Tensor:
+    """``softmax`` of rows ``rows`` of ``x`` into ``out`` [len(rows), V], read in place run by run."""
+    for r in rows.runs:
+        torch.softmax(x[r.batch : r.batch + r.length], -1, out=out[r.local : r.local + r.length])
+    return out
 
 
 def row_block_sums(probs: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.ops.flat import put2d_, take2d
+
 
 def seen_keys(prompt_keys: torch.Tensor, output_keys: torch.Tensor) -> torch.Tensor:
     """Distinct keys of prompt ∪ output (host tensors; ``prompt_keys`` sorted and distinct)."""
@@ -30,9 +32,8 @@ def apply_repetition_(logits: torch.Tensor, rows: torch.Tensor, penalty: torch.T
     v = logits.shape[1]
     local, tok = keys // v, keys % v
     r = penalty[local]
-    at = (rows[local], tok)
-    x = logits[at]
-    logits[at] = torch.where(x > 0, x / r, x * r)
+    x = take2d(logits, rows[local], tok)
+    put2d_(logits, rows[local], tok, torch.where(x > 0, x / r, x * r))
 
 
 def apply_frequency_presence_(
@@ -48,8 +49,7 @@ def apply_frequency_presence_(
         return
     v = logits.shape[1]
     local, tok = keys // v, keys % v
-    at = (rows[local], tok)
-    x = logits[at]
+    x = take2d(logits, rows[local], tok)
     x = x - frequency[local] * counts.to(x.dtype)
     x = x - presence[local] * (counts > 0).to(x.dtype)
-    logits[at] = x
+    put2d_(logits, rows[local], tok, x)

@@ -8,8 +8,9 @@ the sampler uses every step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -18,19 +19,40 @@ from worker.sampling_metadata import SamplingMetadata
 RAW_MODES = ("raw_logprobs", "raw_logits")
 
 
+class Run(NamedTuple):
+    """``length`` rows that are consecutive both in the batch (from ``batch``) and in a group (from ``local``)."""
+
+    batch: int
+    local: int
+    length: int
+
+
+def runs_of(rows: Sequence[int]) -> tuple[Run, ...]:
+    """``rows`` cut into runs: a kernel applied to each run's slice of the batch reads no other row
+    and needs no gathered copy (one run when the rows are the whole batch in order)."""
+    out: list[Run] = []
+    for local, r in enumerate(rows):
+        if out and out[-1].batch + out[-1].length == r:
+            out[-1] = out[-1]._replace(length=out[-1].length + 1)
+        else:
+            out.append(Run(r, local, 1))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class RowGroup:
-    """Batch rows in a fixed order, with their device index tensor."""
+    """Batch rows in a fixed order, with their device index tensor and their runs."""
 
     rows: tuple[int, ...]
     index: torch.Tensor  # [n] int64
+    runs: tuple[Run, ...]
 
     def __len__(self) -> int:
         return len(self.rows)
 
 
-def _group(rows: list[int], device: torch.device) -> RowGroup:
-    return RowGroup(tuple(rows), torch.tensor(rows, dtype=torch.int64, device=device))
+def row_group(rows: Sequence[int], device: torch.device) -> RowGroup:
+    return RowGroup(tuple(rows), torch.tensor(list(rows), dtype=torch.int64, device=device), runs_of(rows))
 
 
 @dataclass(frozen=True)
@@ -38,6 +60,7 @@ class SamplingPlan:
     batch_size: int
     vocab_size: int
     greedy: RowGroup
+    random: RowGroup  # every other row, in batch order (7a divides these)
     # Random rows with 0 < top_k < V: drawn among their top-k candidates.
     topk: RowGroup
     topk_k: torch.Tensor  # [nk] int64
@@ -85,23 +108,23 @@ def build_plan(md: SamplingMetadata, vocab_size: int, device: torch.device) -> S
     asking = [i for i in range(b) if nl[i] >= 0]
     raw = [i for i in asking if modes[i] in RAW_MODES]
     processed = [i for i in asking if modes[i] not in RAW_MODES]
-    f64 = dict(dtype=torch.float64, device=device)
     return SamplingPlan(
         batch_size=b,
         vocab_size=vocab_size,
-        greedy=_group([i for i in range(b) if greedy[i]], device),
-        topk=_group(topk_rows, device),
+        greedy=row_group([i for i in range(b) if greedy[i]], device),
+        random=row_group(rnd, device),
+        topk=row_group(topk_rows, device),
         topk_k=torch.tensor([top_k[i] for i in topk_rows], dtype=torch.int64, device=device),
         topk_kmax=max((top_k[i] for i in topk_rows), default=0),
-        topk_p=torch.tensor([top_p[i] for i in topk_rows], **f64),
-        full=_group(full_rows, device),
+        topk_p=torch.tensor([top_p[i] for i in topk_rows], dtype=torch.float64, device=device),
+        full=row_group(full_rows, device),
         n_top_p=n_top_p,
-        top_p=torch.tensor([top_p[i] for i in full_rows[:n_top_p]], **f64),
+        top_p=torch.tensor([top_p[i] for i in full_rows[:n_top_p]], dtype=torch.float64, device=device),
         divisor=divisor,
         generators=md.generators,
         num_logprobs=md.max_num_logprobs if asking else None,
-        raw=_group(raw, device),
+        raw=row_group(raw, device),
         raw_modes=tuple(modes[i] for i in raw),
-        processed=_group(processed, device),
+        processed=row_group(processed, device),
         processed_modes=tuple(modes[i] for i in processed),
     )

@@ -13,44 +13,56 @@ from __future__ import annotations
 
 import torch
 
-from worker.ops.blocks import block_reduce, block_size, gather_blocks, num_blocks
+from worker.ops.blocks import block_columns, block_reduce, block_size, gather_blocks, num_blocks
+from worker.ops.plan import RowGroup
 
 
-def row_argmax(x: torch.Tensor, bmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """([n] max values, [n] int64 ids) of each row; the lowest id wins a tie. NaN rows: NaN value.
+def row_argmax(
+    x: torch.Tensor, bmax: torch.Tensor | None = None, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n] max values, [n] int64 ids) of rows ``rows`` of ``x`` (all when None); the lowest id
+    wins a tie. NaN rows: NaN value.
 
-    ``bmax`` may pass ``block_reduce(x, block_size(V), "amax")`` when the caller already has it.
+    ``bmax`` may pass ``block_reduce(x, block_size(V), "amax")`` (every row of ``x``) when the
+    caller already has it; then only the winning block of each row is read.
     """
-    n, v = x.shape
+    _, v = x.shape
     bs = block_size(v)
     if bmax is None:
         bmax = block_reduce(x, bs, "amax")
-    best = torch.argmax(bmax, dim=-1)  # first block holding the row max
-    vals, ids = gather_blocks(x, None, best[:, None], bs, float("-inf"))
+    if rows is not None:
+        bmax = bmax.index_select(0, rows)
+    best = torch.argmax(bmax, dim=-1, keepdim=True)  # first block holding the row max
+    vals, starts = gather_blocks(x, rows, best, bs, float("-inf"))
     j = torch.argmax(vals, dim=-1, keepdim=True)  # first occurrence inside that block
-    return vals.gather(1, j).squeeze(1), ids.gather(1, j).squeeze(1)
+    return vals.gather(1, j).squeeze(1), block_columns(starts, j, bs).squeeze(1)
 
 
-def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_candidates(x: torch.Tensor, k: int, rows: RowGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact top-min(k+1, V) values of rows ``rows`` of ``x`` (all when None), sorted descending.
 
     Ids among equal values are arbitrary; see ``ambiguous``. Proof sketch of exactness: the
     blocks holding any of the top-m values have block max >= the m-th value, and the m blocks
     with the largest maxima contain m values >= it, so the top-m blocks hold the top-m values.
+    ``rows`` are read in place, run by run (``plan.Run``): no gathered copy of them is made.
     """
-    n, v = x.shape
+    _, v = x.shape
     m = min(k + 1, v)
     bs = block_size(v)
     if 4 * m * bs > v:  # few blocks: a plain topk is as cheap
-        sub = x if rows is None else x.index_select(0, rows)
-        return torch.topk(sub, m, dim=-1)
-    bmax = block_reduce(x, bs, "amax")
-    if rows is not None:
-        bmax = bmax.index_select(0, rows)
+        if rows is None:
+            return torch.topk(x, m, dim=-1)
+        vals = torch.empty(len(rows), m, dtype=x.dtype, device=x.device)
+        ids = torch.empty(len(rows), m, dtype=torch.int64, device=x.device)
+        for r in rows.runs:
+            sl = slice(r.local, r.local + r.length)
+            torch.topk(x[r.batch : r.batch + r.length], m, dim=-1, out=(vals[sl], ids[sl]))
+        return vals, ids
+    bmax = block_reduce(x, bs, "amax", rows)
     top_blocks = torch.topk(bmax, min(m, num_blocks(v, bs)), dim=-1).indices
-    vals, ids = gather_blocks(x, rows, top_blocks, bs, float("-inf"))
+    vals, starts = gather_blocks(x, None if rows is None else rows.index, top_blocks, bs, float("-inf"))
     top, j = torch.topk(vals, m, dim=-1)
-    return top, ids.gather(1, j)
+    return top, block_columns(starts, j, bs)
 
 
 def ambiguous(vals: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -70,7 +82,7 @@ def topk_lowest_ids(x: torch.Tensor, kth: torch.Tensor, k: int) -> tuple[torch.T
     Ranks every column by (class, -id) with class 2 above ``kth``, 1 equal, 0 below; the scores
     are distinct integers, so ``topk`` has no ties left to break.
     """
-    a, v = x.shape
+    _, v = x.shape
     t = kth[:, None]
     cls = (x > t).to(torch.int64) * 2 + (x == t).to(torch.int64)
     score = cls * (v + 1) + (v - torch.arange(v, device=x.device))

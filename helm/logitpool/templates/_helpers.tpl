@@ -163,6 +163,8 @@ applications:
         grpc_port: {{ $v.ports.grpc | toJson }}
       limits: {{ $v.limits | toJson }}
       routing: {{ $v.routing | toJson }}
+      metrics:
+        names: {{ $v.metrics.names | toJson }}
       api_key_env: {{ include "logitpool.apiKeyEnv" . }}
       app_name: logitpool
       route_prefix: /

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from worker.bench.processors import ARGS, _Step, main
+from worker.bench.processors import TYPICAL_EXTRA_ARGS, _Step, main, typical_args
 from worker.logits_processor.library import LIBRARY_PROCESSORS, TopALogitsProcessor
+from worker.logits_processor.schema import declared_keys
+from worker.sampling_params import SamplingParams
 
 
 def test_every_library_processor_has_bench_args_that_validate() -> None:
-    assert set(ARGS) == set(LIBRARY_PROCESSORS)
-    from worker.sampling_params import SamplingParams
-
-    for cls, extra in ARGS.items():
+    for cls in LIBRARY_PROCESSORS:
+        extra = typical_args(cls)
+        assert extra, f"{cls.__name__}: no key of it in TYPICAL_EXTRA_ARGS"
         cls.validate_params(SamplingParams(extra_args=extra))
+    declared = set().union(*(declared_keys(c) or () for c in LIBRARY_PROCESSORS))
+    assert set(TYPICAL_EXTRA_ARGS) <= declared  # no key of a processor that is gone
 
 
 def test_ten_percent_enables_a_tenth_of_the_rows() -> None:
     proc = TopALogitsProcessor(None, torch.device("cpu"), False)
-    _Step([proc], ARGS[TopALogitsProcessor], 0.1, 50, 64, seed=0)
+    _Step([proc], typical_args(TopALogitsProcessor), 0.1, 50, 64, seed=0)
     assert len(proc.states) == 5
 
 

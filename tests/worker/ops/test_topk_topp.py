@@ -7,8 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.worker.sampler_reference import logit_rows, order, top_p_kept, top_p_margin
-from worker.ops.topk_topp import top_p_histogram_, top_p_keep, top_p_probe
-from worker.ops.workspace import Workspace
+from worker.ops.topk_topp import TopPScratch, top_p_histogram_, top_p_keep, top_p_probe
 
 P_VALUES = [0.05, 0.3, 0.5, 0.9, 0.99]
 
@@ -25,7 +24,7 @@ def test_histogram_keeps_exactly_the_nucleus(data: st.DataObject, v: int, p: flo
         assume(top_p_margin(x[r], p) > 1e-5)
     probs = _probs(x)
     before = probs.clone()
-    top_p_histogram_(probs, torch.full((3,), p, dtype=torch.float64), Workspace("cpu"))
+    top_p_histogram_(probs, torch.full((3,), p, dtype=torch.float64), TopPScratch())
     for r in range(3):
         kept = sorted(top_p_kept(x[r], p))
         assert (probs[r] > 0).nonzero().flatten().tolist() == [t for t in kept if before[r, t] > 0]
@@ -35,7 +34,7 @@ def test_histogram_keeps_exactly_the_nucleus(data: st.DataObject, v: int, p: flo
 def test_histogram_tie_group_split_by_id() -> None:
     # 10 equal tokens of 0.1 each: p = 0.35 keeps the four lowest ids (mass before the 4th is 0.3).
     probs = torch.full((1, 10), 0.1)
-    top_p_histogram_(probs, torch.tensor([0.35], dtype=torch.float64), Workspace("cpu"))
+    top_p_histogram_(probs, torch.tensor([0.35], dtype=torch.float64), TopPScratch())
     assert (probs[0] > 0).nonzero().flatten().tolist() == [0, 1, 2, 3]
 
 

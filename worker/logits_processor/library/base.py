@@ -16,7 +16,7 @@ import torch
 
 from worker.logits_processor.builtin import _SparseRows
 from worker.logits_processor.schema import ExtraArgs, parse_extra_args
-from worker.ops.workspace import Workspace
+from worker.ops.scratch import Buffer
 from worker.sampling_params import SamplingParams
 
 T = TypeVar("T")  # a row's state
@@ -33,7 +33,7 @@ class LibraryProcessor(_SparseRows[T], Generic[T, A]):
 
     def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(config, device, is_pin_memory)
-        self._ws = Workspace(self.device)
+        self._gathered = Buffer()
         self._row_list: list[int] = []
 
     def _state(self, params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]) -> T | None:
@@ -62,11 +62,11 @@ class LibraryProcessor(_SparseRows[T], Generic[T, A]):
         return len(self._row_list) == logits.shape[0]  # rows are distinct and < batch size
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
-        """The active rows: ``logits`` itself when every row is active, else a workspace copy."""
+        """The active rows: ``logits`` itself when every row is active, else a scratch copy."""
         if self._whole(logits):
             return logits
         shape = (len(self._row_list), logits.shape[1])
-        return torch.index_select(logits, 0, self._rows, out=self._ws.get("rows", shape, logits.dtype))
+        return torch.index_select(logits, 0, self._rows, out=self._gathered.take(shape, logits.dtype, logits.device))
 
     def scatter(self, logits: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
         """Write ``gather``'s block back (nothing to do when it was ``logits`` itself)."""

@@ -27,7 +27,7 @@ from cluster.openai.routes import build_api
 from cluster.pool_stats import PoolSnapshot
 from cluster.rpc.service import GrpcAdapter
 from cluster.worker_deployment import WorkerDeployment
-from tests.cluster.fake_engine import FakeEngine, fake_token
+from tests.cluster_rayfree.fake_engine import FakeEngine, fake_token
 
 KEY = "sk-local"
 
@@ -66,6 +66,7 @@ def fe(cfg: LogitpoolConfig, worker: Any, monkeypatch: pytest.MonkeyPatch) -> It
     monkeypatch.setattr(FakeEngine, "mode", "ok")
     monkeypatch.setattr(FakeEngine, "alive", True)
     monkeypatch.setattr(FakeEngine, "seen", [])
+    monkeypatch.setattr(FakeEngine, "cached_tokens", None)
     yield Frontend(cfg, worker, pool=pool)
 
 
@@ -93,7 +94,12 @@ def test_dispatch_sends_token_ids_and_validated_params(fe: Frontend) -> None:
     choice = r.json()["choices"][0]
     assert choice["text"] == "".join(f"<{fake_token(prompt, i)}>" for i in range(3))
     assert choice["finish_reason"] == "length"
-    assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3}
+    assert r.json()["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 3,
+        "total_tokens": len(prompt) + 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_token_id_prompts_and_several_prompts(fe: Frontend) -> None:

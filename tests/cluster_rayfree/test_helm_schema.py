@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
-from cluster.config import LogitpoolConfig
+from cluster.config import AutoscalingConfig, LogitpoolConfig
 from cluster.deploy.helm_schema import CHART, SCHEMA, VALUES_TO_CONFIG, generate, main, render
 from worker.config import EngineConfig
 
@@ -82,3 +82,25 @@ def test_every_engine_field_reaches_the_chart_except_device() -> None:
     assert mapped == {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}
     props = generate()["properties"]
     assert {"reorderBatch", "loadEntryPoints"} <= set(props["engine"]["properties"])
+
+
+# Chart values that deliberately differ from the config's default: a count where the config's
+# null means one replica, and the chart's worker pods own a GPU (the config's default runs on CPU).
+_CHART_OWN_DEFAULTS = {("workers", "replicas"): 1, ("workers", "gpus"): 1}
+
+
+def test_values_yaml_states_the_config_s_own_defaults() -> None:
+    """values.yaml restates each default for Helm's sake; the config model is where it lives."""
+    defaults = LogitpoolConfig().model_dump(mode="json")
+    defaults["workers"]["autoscaling"] = AutoscalingConfig().model_dump(mode="json")  # off by default, same values
+    values = _values()
+    for chart_path, config_path in VALUES_TO_CONFIG.items():
+        if chart_path[0] == "limits" and chart_path[1] not in values.get("limits", {}):
+            continue  # an optional section: a key left out takes the config's default
+        chart, config = values, defaults
+        for part in chart_path:
+            chart = chart[part]
+        for part in config_path:
+            config = config[part]
+        expected = _CHART_OWN_DEFAULTS.get(chart_path, config)
+        assert chart == expected, f"values.yaml {'.'.join(chart_path)}: {chart!r}, the config's default is {config!r}"

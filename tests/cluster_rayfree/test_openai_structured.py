@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from pydantic import ValidationError
 
@@ -86,7 +87,7 @@ def test_named_tool_constrains_to_its_parameters_and_answers_with_tool_calls() -
     req = ChatCompletionRequest.model_validate(
         {"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get"}}}
     )
-    assert req.sampling_params().structured_outputs.json == SCHEMA  # type: ignore[union-attr]
+    assert req.sampling_params().structured_outputs.json == SCHEMA  # type: ignore[union-attr]  # set: the request names a tool
     out = RequestOutput("r", None, [1], [CompletionOutput(0, '{"a": 3}', [5], None, None, finish_reason="stop")], True)
     choice = chat_response("id", "m", out, str, 0, tool=req.forced_tool)["choices"][0]
     call = choice["message"]["tool_calls"][0]
@@ -97,7 +98,7 @@ def test_named_tool_constrains_to_its_parameters_and_answers_with_tool_calls() -
 def test_required_tool_picks_one_of_the_tools() -> None:
     req = ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS, "tool_choice": "required"})
     so = req.sampling_params().structured_outputs
-    assert [b["properties"]["name"]["const"] for b in so.json["anyOf"]] == ["get", "put"]  # type: ignore[union-attr]
+    assert [b["properties"]["name"]["const"] for b in so.json["anyOf"]] == ["get", "put"]  # type: ignore[union-attr]  # set: tool_choice is "required"
     text = '{"name": "put", "arguments": {}}'
     out = RequestOutput("r", None, [1], [CompletionOutput(0, text, [5], None, None, finish_reason="stop")], True)
     choice = chat_response("id", "m", out, str, 0, tool=req.forced_tool)["choices"][0]
@@ -107,3 +108,102 @@ def test_required_tool_picks_one_of_the_tools() -> None:
 
 def test_tool_choice_none_generates_text() -> None:
     assert _so({"tools": TOOLS, "tool_choice": "none"}) is None
+
+
+# -- tool_choice "required" over tools whose parameters hold local references ------------------
+
+PLACE = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+REF_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "locate",
+            "parameters": {
+                "type": "object",
+                "properties": {"place": {"$ref": "#/$defs/Place"}},
+                "required": ["place"],
+                "$defs": {"Place": PLACE, "Unit": {"enum": ["c", "f"]}},
+            },
+        },
+    },
+    {  # the same definition name, another schema: each tool's references stay its own
+        "type": "function",
+        "function": {
+            "name": "tree",
+            "parameters": {
+                "$ref": "#/$defs/Place",
+                "$defs": {
+                    "Place": {
+                        "type": "object",
+                        "properties": {
+                            "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                            "kids": {"type": "array", "items": {"$ref": "#/$defs/Place"}, "maxItems": 2},
+                            "tag": {"const": {"$ref": "#/not/a/reference"}},  # data, not a schema
+                        },
+                        "required": ["v", "kids"],
+                    }
+                },
+            },
+        },
+    },
+    TOOLS[0],
+]
+
+
+def _required(tools: list[dict]) -> dict:
+    body = {"messages": MSG, "tools": tools, "tool_choice": "required"}
+    return ChatCompletionRequest.model_validate(body).sampling_params().structured_outputs.json  # type: ignore[union-attr]
+
+
+def test_required_keeps_each_tools_references_resolvable() -> None:
+    schema = _required(REF_TOOLS)
+    valid = [
+        {"name": "locate", "arguments": {"place": {"city": "Oslo", "unit": "c"}}},
+        {"name": "tree", "arguments": {"v": 1, "kids": [{"v": 2, "kids": []}]}},
+        {"name": "get", "arguments": {"a": 3}},
+    ]
+    invalid = [
+        {"name": "locate", "arguments": {"place": {"city": "Oslo", "unit": "k"}}},  # Unit is locate's own
+        {"name": "tree", "arguments": {"v": 1, "kids": [{"v": 12, "kids": []}]}},  # recursion checks each level
+        {"name": "tree", "arguments": {"city": "Oslo", "unit": "c"}},  # not locate's Place
+        {"name": "get", "arguments": {"place": {"city": "Oslo", "unit": "c"}}},
+    ]
+    for call in valid:
+        jsonschema.validate(call, schema)
+    for call in invalid:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(call, schema)
+    assert schema["anyOf"][2]["properties"]["arguments"] == SCHEMA  # a tool without references stays inline
+
+
+def test_required_with_references_compiles(tiny_model_dir) -> None:
+    """xgrammar said "Cannot find field $defs" before: the references pointed at the combined root."""
+    from transformers import AutoTokenizer
+
+    from worker.logits_processor.structured_grammar import compiler_for
+    from worker.model.loader import model_limits
+    from worker.structured_outputs import StructuredOutputsParams
+
+    vocab_size, _ = model_limits(str(tiny_model_dir), None)
+    compiler = compiler_for(AutoTokenizer.from_pretrained(tiny_model_dir), vocab_size)
+    assert compiler.compile(StructuredOutputsParams(json=_required(REF_TOOLS))) is not None
+
+
+@pytest.mark.parametrize(
+    ("parameters", "needle"),
+    [
+        ({"properties": {"a": {"$ref": "#/$defs/Missing"}}}, "does not resolve"),
+        ({"properties": {"a": {"$ref": "https://example.com/s.json"}}}, "only local references"),
+        ({"properties": {"a": {"$ref": "#anchor"}}}, "only local references"),
+        ({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}, "cycle"),
+    ],
+)
+def test_required_refuses_references_that_cannot_resolve(parameters: dict, needle: str) -> None:
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "bad", "parameters": parameters}}]
+    with pytest.raises(ValueError, match=rf"^tools\[1\]\.function\.parameters: .*{needle}"):
+        _required(tools)

@@ -263,7 +263,7 @@ def test_metrics_sum_the_pool_and_keep_per_replica_kv():
             heartbeat_age_s=70.0,
         ),
     ]
-    m = Metrics()
+    m = Metrics(model_name="m", max_model_len=64)
     m.reject("http", 413)
     body, _ = m.render(pool)
     samples = {
@@ -279,7 +279,8 @@ def test_metrics_sum_the_pool_and_keep_per_replica_kv():
     assert samples[("logitpool_engine_restarts_total", ())] == 1
     assert samples[("logitpool_kv_cache", (("replica", "a"), ("stat", "blocks_used")))] == 5
     assert samples[("logitpool_kv_cache", (("replica", "b"), ("stat", "bytes")))] == 50
-    assert samples[("logitpool_requests_rejected_total", (("protocol", "http"), ("status", "413")))] == 1
+    rejected = (("ingress", "local"), ("protocol", "http"), ("status", "413"))
+    assert samples[("logitpool_requests_rejected_total", rejected)] == 1
 
 
 # -- UTF-8 only (issue 17, item 8) -----------------------------------------------------------

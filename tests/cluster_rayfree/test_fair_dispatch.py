@@ -1,5 +1,5 @@
 """What the front end sends for fair admission, in Serve's local testing mode against the fake
-engine (tests/cluster/test_frontend_local.py's fixtures): one group per client request (every
+engine (tests/cluster_rayfree/test_frontend_local.py's fixtures): one group per client request (every
 prompt of a batch), the API key's non-secret tenant id, vLLM's `priority` on HTTP and gRPC, and
 limits.max_sequences_per_request refusing prompts x n before anything reaches a worker."""
 
@@ -14,8 +14,8 @@ from cluster import limits as request_limits
 from cluster.frontend import Frontend, tenant_id
 from cluster.limits import Limits
 from cluster.rpc.service import GrpcAdapter
-from tests.cluster.fake_engine import FakeEngine
-from tests.cluster.test_frontend_local import KEY, _ctx, cfg, fe, http, worker  # noqa: F401 - fixtures
+from tests.cluster_rayfree.fake_engine import FakeEngine
+from tests.cluster_rayfree.test_frontend_local import KEY, _ctx, cfg, fe, http, worker  # noqa: F401 - fixtures
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 

@@ -27,8 +27,8 @@ from cluster.openai.adapter import HttpAdapter
 from cluster.openai.routes import build_api
 from cluster.rpc.service import GrpcAdapter
 from cluster.worker_deployment import WorkerDeployment
-from tests.cluster.fake_engine import FakeEngine
-from tests.cluster.test_frontend_local import KEY, _ctx
+from tests.cluster_rayfree.fake_engine import FakeEngine
+from tests.cluster_rayfree.test_frontend_local import KEY, _ctx
 
 RESPONSE_LIMIT = 2000
 MARK = "<<slow>>"

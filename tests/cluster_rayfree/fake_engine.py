@@ -28,6 +28,8 @@ class FakeEngine:
     alive: ClassVar[bool] = True
     seen: ClassVar[list[tuple[str, object, SamplingParams]]] = []
     scheduling: ClassVar[list[object]] = []  # the Scheduling each call carried
+    queue_time_s: ClassVar[float] = 0.125  # what it reports on a sequence's last output, as the engine does
+    cached_tokens: ClassVar[int | None] = None  # what every output says the prefix cache served
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -81,8 +83,16 @@ class FakeEngine:
                     logprobs=None,
                     finish_reason=reason,
                     error="fake processor failed" if mode == "error" else None,
+                    queue_time_s=type(self).queue_time_s if reason is not None else None,
                 )
-                yield RequestOutput(request_id, None, [], [out], finished=last or mode == "error")
+                yield RequestOutput(
+                    request_id,
+                    None,
+                    [],
+                    [out],
+                    finished=last or mode == "error",
+                    num_cached_tokens=type(self).cached_tokens,
+                )
                 if mode == "error":
                     return
                 await asyncio.sleep(0)

@@ -72,7 +72,16 @@ def test_echo_puts_the_prompt_first():
     assert lp["token_logprobs"] == [None, -2.0, -0.5, -1.0, -1.0]
     assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {" cat": -2.0, " mat": -1.0}
     _check_offsets(lp)
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    # vLLM's shape: token ids are generated only (never the echoed prompt's), null unless asked.
+    assert (choice["token_ids"], choice["prompt_token_ids"]) == (None, None)
+    asked = completion_response("id", "m", [_out([4, 5])], decode, token_ids=True, echoes=[echo])["choices"][0]
+    assert (asked["token_ids"], asked["prompt_token_ids"]) == ([4, 5], PROMPT_IDS)
     assert choice["prompt_logprobs"][1] == {
         "2": {"logprob": -2.0, "rank": 3, "decoded_token": " cat"},
         "5": {"logprob": -1.0, "rank": 1, "decoded_token": " mat"},

@@ -1,0 +1,137 @@
+"""KV pool sizing on a GPU: a share of the device's total memory less the weights and the
+profiled activation peak, so two replicas at 0.45 share one GPU (issue 20, bug 1).
+
+The engines, their profile run and their KV pools are real (on CPU); only the GPU's memory
+figures are given by the test (``FakeGpu``): its total, and what each engine on it holds, booked
+by the test from the engine's real weights and KV pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from cluster.config import LogitpoolConfig
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.model.loader import LoadedModel
+from worker.model.memory import MemorySnapshot, weight_bytes
+from worker.model.profile import ProfileRun, profile_step
+from worker.model.runner import block_bytes
+from worker.sampling_params import SamplingParams
+
+MIB = 2**20
+TOTAL = 256 * MIB
+PEAK = 8 * MIB  # the activation peak the fake device reports for each profile run
+SMALL = {"max_num_seqs": 4, "max_num_batched_tokens": 96, "max_model_len": 64, "load_entry_points": False}
+
+
+@dataclass
+class FakeGpu:
+    """One device's figures: its total, and the bytes each process on it holds."""
+
+    total: int
+    held: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class FakeMemory:
+    """``DeviceMemory`` of one engine's process on a FakeGpu (weights already loaded)."""
+
+    gpu: FakeGpu
+    name: str
+    weights: int
+    peak_reset: bool = False
+
+    def __post_init__(self) -> None:
+        self.gpu.held[self.name] = self.weights
+
+    def snapshot(self) -> MemorySnapshot:
+        held = self.gpu.held[self.name]
+        peak = held + (PEAK if self.peak_reset else 0)
+        return MemorySnapshot(self.gpu.total, self.gpu.total - sum(self.gpu.held.values()), held, held, peak)
+
+    def reset_peak(self) -> None:
+        self.peak_reset = True
+
+    def release_cached(self) -> None:
+        pass
+
+
+def engine_on(gpu: FakeGpu, name: str, loaded: LoadedModel, fraction: float) -> LLMEngine:
+    """An engine sized by ``gpu``'s figures; what it holds afterwards is booked on the device."""
+    memory = FakeMemory(gpu, name, weight_bytes(loaded.model))
+    engine = LLMEngine(EngineConfig(kv_cache_memory_fraction=fraction, **SMALL), loaded=loaded, memory=memory)
+    gpu.held[name] = memory.weights + engine.runner.kv_cache_bytes + PEAK  # the activations come back at run time
+    return engine
+
+
+def test_two_engines_at_045_share_one_gpu(tiny_model: LoadedModel) -> None:
+    gpu = FakeGpu(TOTAL)
+    first = engine_on(gpu, "a", tiny_model, 0.45)
+    second = engine_on(gpu, "b", tiny_model, 0.45)
+    weights = weight_bytes(tiny_model.model)
+    per_block = block_bytes(tiny_model, 16)
+    expected = (int(0.45 * TOTAL) - weights - PEAK) // per_block * per_block
+    # By total, not free: the second gets what the first got, and both fit on the device.
+    assert first.runner.kv_cache_bytes == second.runner.kv_cache_bytes == expected > 0
+    assert sum(gpu.held.values()) <= TOTAL
+    assert first.kv_budget is not None and first.kv_budget.activation_peak == PEAK
+    tokens = []
+    for engine in (first, second):  # both serve
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+        outs = [o for _ in range(8) for o in engine.step()]
+        tokens.append([t for o in outs for t in o.outputs[0].token_ids])
+    assert len(tokens[0]) == 3 and tokens[0] == tokens[1]
+
+
+def test_an_engine_beside_another_that_took_its_room_fails_clearly(tiny_model: LoadedModel) -> None:
+    gpu = FakeGpu(TOTAL)
+    engine_on(gpu, "a", tiny_model, 0.45)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction: .* free .* replicas sharing a GPU"):
+        engine_on(gpu, "b", tiny_model, 0.9)
+
+
+def test_a_share_too_small_for_weights_and_activations_fails_clearly(tiny_model: LoadedModel) -> None:
+    small = weight_bytes(tiny_model.model) + PEAK  # 0.5 x this cannot even hold the weights
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction: .* no room for one KV block"):
+        engine_on(FakeGpu(2 * small), "a", tiny_model, 0.5)
+
+
+def test_no_figures_are_read_when_the_pool_size_is_given(tiny_model: LoadedModel) -> None:
+    gpu = FakeGpu(0)  # any reading would fail: nothing fits in 0 bytes
+    memory = FakeMemory(gpu, "a", 0)
+    cfg = EngineConfig(kv_cache_bytes=64 * block_bytes(tiny_model, 16), **SMALL)
+    assert LLMEngine(cfg, loaded=tiny_model, memory=memory).runner.num_blocks == 64 and not memory.peak_reset
+
+
+@pytest.mark.parametrize("fraction", [1.0, 1.5, 0.0, -0.1])
+def test_a_fraction_outside_0_1_is_a_config_error(fraction: float) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction: must be in \(0, 1\)"):
+        EngineConfig(kv_cache_memory_fraction=fraction)
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        LogitpoolConfig.model_validate({"engine": {"kv_cache_memory_fraction": fraction}})
+
+
+@pytest.mark.parametrize(("tokens", "seqs", "max_len", "bs"), [(96, 4, 64, 16), (2048, 64, 4096, 16), (8, 8, 5, 4)])
+def test_profile_step_is_the_largest_step(tokens: int, seqs: int, max_len: int, bs: int) -> None:
+    step = profile_step(tokens, seqs, max_len, bs)
+    decode, chunks = step.seqs[: step.decode_rows], step.seqs[step.decode_rows :]
+    # max_num_seqs rows at full context, then prompt chunks: max_num_batched_tokens in all.
+    assert step.decode_rows == min(seqs, tokens)
+    assert all(len(s.token_ids) == 1 and s.start_pos == max_len - 1 for s in decode)
+    assert sum(len(s.token_ids) for s in step.seqs) == tokens == step.decode_rows + step.chunk_tokens
+    assert all(len(s.token_ids) <= max_len and s.start_pos == 0 for s in chunks)
+    # Every block a row writes is its own, and the rows share no leading block with row 0
+    # (no cascade shortcut: the gather of every row's full context is what is measured).
+    written = [s.block_ids[-1] for s in decode] + [b for s in chunks for b in s.block_ids]
+    assert len(written) == len(set(written)) and max(written) < step.num_blocks
+    if len(decode) > 1 and len(decode[0].block_ids) > 1:
+        assert decode[0].block_ids[0] != decode[1].block_ids[0]
+
+
+def test_the_profile_runs_through_the_real_runner_and_sampler(tiny_model: LoadedModel) -> None:
+    profile = ProfileRun(tiny_model, EngineConfig(**SMALL), 64)
+    profile.run()
+    assert profile.step.decode_rows == 4 and profile.step.chunk_tokens == 92

@@ -1,0 +1,116 @@
+"""The profile run that sizes the KV pool on a GPU (``worker.model.memory`` says why by total).
+
+Before the pool exists, one dummy step of the largest kind the scheduler can build runs through
+the real runner, then the sampler over ``max_num_seqs`` rows (vLLM's profile run); the
+allocator's peak above what was allocated before it (the weights, the profile's own small KV)
+is the activation memory every later step needs next to the pool. This engine's attention
+gathers each decode row's context, so the step also carries ``max_num_seqs`` decode rows at
+``max_model_len`` context besides the prompt chunks filling ``max_num_batched_tokens``: the
+gather buffers of the fullest batch are in the peak too. The rows share their leading blocks
+(all but row 0, so no cascade shortcut is taken), so the profile's own KV stays small.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from worker.batch import PersistentBatch
+from worker.config import EngineConfig
+from worker.logits_processor.registry import build_logits_processors
+from worker.model.loader import LoadedModel
+from worker.model.memory import DeviceMemory, KVBudget, MemorySnapshot, weight_bytes
+from worker.model.runner import ModelRunner, ScheduledSeq
+from worker.sampler import Sampler
+from worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProfileStep:
+    seqs: list[ScheduledSeq]
+    num_blocks: int  # blocks the step's tables name
+    decode_rows: int  # one-token rows at full context (first in ``seqs``)
+    chunk_tokens: int  # prompt tokens in the chunks after them
+
+
+def profile_step(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> ProfileStep:
+    """The largest step: ``max_num_seqs`` decode rows at ``max_model_len`` context, then prompt
+    chunks (each as long as the context allows) for the rest of ``max_num_batched_tokens``."""
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    per_row = -(-max_model_len // block_size)
+    shared = list(range(1, per_row))  # rows 1.. share these leading blocks; row 0 starts on block 0
+    next_block = per_row
+    seqs: list[ScheduledSeq] = []
+    for r in range(rows):
+        lead = shared if r else [0, *shared[1:]]
+        table = [*lead[: per_row - 1], next_block]
+        next_block += 1
+        seqs.append(ScheduledSeq(table, [0], max_model_len - 1, True))
+    left = max_num_batched_tokens - rows
+    chunk_tokens = left
+    while left > 0:
+        n = min(left, max_model_len)
+        used = -(-n // block_size)
+        seqs.append(ScheduledSeq(list(range(next_block, next_block + used)), [0] * n, 0, True))
+        next_block += used
+        left -= n
+    return ProfileStep(seqs, next_block, rows, chunk_tokens)
+
+
+def _worst_case_params(config: EngineConfig) -> SamplingParams:
+    """A row taking every sampler path that holds memory: penalties, top-k/top-p sort, logprobs."""
+    return SamplingParams(
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        frequency_penalty=0.5,
+        repetition_penalty=1.1,
+        logprobs=config.max_logprobs,
+    )
+
+
+class ProfileRun:
+    """The profile step and the sampler, set up on ``loaded``'s device (its KV, batch and
+    processors allocated here, so the peak of ``run`` is the activations alone)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
+        bs = config.block_size
+        self.step = profile_step(config.max_num_batched_tokens, config.max_num_seqs, max_model_len, bs)
+        self._runner = ModelRunner(loaded, num_blocks=self.step.num_blocks, block_size=bs, max_model_len=max_model_len)
+        pin = loaded.device.type == "cuda"
+        self._procs = build_logits_processors(config, loaded.device, pin, entry_points=False)
+        self._batch = PersistentBatch(self.step.decode_rows, device=loaded.device, pin_memory=pin)
+        params = _worst_case_params(config)
+        added = [(f"profile-{i}", params, [0], [0]) for i in range(self.step.decode_rows)]
+        self._procs.update_state(self._batch.update([], added))
+        self._generator = torch.Generator(device=loaded.device)
+
+    def run(self) -> None:
+        logits = self._runner.execute(self.step.seqs)[: self.step.decode_rows].float()
+        with torch.inference_mode():
+            Sampler(self._procs, generator=self._generator)(logits, self._batch.sampling_metadata())
+
+
+def profiled_kv_budget(
+    loaded: LoadedModel, config: EngineConfig, max_model_len: int, memory: DeviceMemory, start: MemorySnapshot
+) -> KVBudget:
+    """The KV budget of an engine on ``loaded``'s device; ``start`` was read before it loaded."""
+    profile = ProfileRun(loaded, config, max_model_len)
+    memory.reset_peak()
+    before = memory.snapshot()
+    profile.run()
+    peak = memory.snapshot().peak
+    del profile
+    gc.collect()  # the profile's runner, batch and processors: their device memory goes back
+    memory.release_cached()
+    now = memory.snapshot()
+    return KVBudget(
+        fraction=config.kv_cache_memory_fraction,
+        total=now.total,
+        weights=weight_bytes(loaded.model),
+        activation_peak=max(0, peak - before.allocated),
+        outside_torch=max(0, now.outside_torch - start.outside_torch),
+        free=now.free,
+    )
