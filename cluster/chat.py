@@ -5,6 +5,7 @@ rules of the front end, not of any one protocol (the OpenAI adapter turns its me
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -95,18 +96,20 @@ TEXT_TOKENS = PromptTokens()
 CHAT_TOKENS = PromptTokens(add_special_tokens=False)
 
 
-def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
     """max_tokens against the context the prompt leaves, as vLLM: "up to the context" (INT64_MAX,
     chat's value when neither max_tokens nor max_completion_tokens is given) becomes what is
-    left, and min_tokens is capped with it; a number that does not fit is a ValueError (400)."""
+    left, and min_tokens is capped with it (a new, frozen SamplingParams); a number that does
+    not fit is a ValueError (400)."""
     room = max_model_len - prompt_len
     if params.max_tokens == INT64_MAX:
-        params.max_tokens = max(1, room)
-        params.min_tokens = min(params.min_tokens, params.max_tokens)
-    elif params.max_tokens > room:
+        max_tokens = max(1, room)
+        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
+    if params.max_tokens > room:
         raise ValueError(
             f"max_tokens: This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {params.max_tokens} output tokens and your prompt contains {prompt_len} input "
             f"tokens, for a total of {prompt_len + params.max_tokens} tokens. Please reduce the length "
             "of the input prompt or the number of requested output tokens."
         )
+    return params

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -75,6 +76,21 @@ def check_prompts(prompts: list[str | list[int]]) -> None:
 INLINE_PROMPT_CHARS = 4096
 TOKENIZE_THREADS = 2
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked request, ready to dispatch: its frozen params (max_tokens fitted to the
+    context) and each prompt's token ids."""
+
+    params: SamplingParams
+    prompts: list[list[int]]
+
+    @property
+    def ids(self) -> list[int]:
+        """The one prompt's ids (chat, gRPC)."""
+        (ids,) = self.prompts
+        return ids
 
 
 class Frontend:
@@ -153,10 +169,11 @@ class Frontend:
         prompts: list[str | list[int]],
         shape: ResponseShape = ONCE,
         tokens: PromptTokens = TEXT_TOKENS,
-    ) -> list[list[int]]:
+    ) -> Prepared:
         """Limits, then validate and tokenize, then max_tokens against the context, then the
         response's size; raises ValueError naming the field (both protocols). ``shape``: how the
-        protocol's response lays out logprobs; ``tokens``: special tokens and truncation."""
+        protocol's response lays out logprobs; ``tokens``: special tokens and truncation. Returns
+        the params to dispatch (max_tokens fitted to the context) and the prompts' ids."""
         check_prompts(prompts)
         request_limits.check_request(self.limits, params, len(prompts))
         keep = tokens.keep(self.max_model_len)
@@ -168,9 +185,9 @@ class Frontend:
             self.validator.check_length(tokens.truncate(self.validator.encode(p, tokens.add_special_tokens), keep))
             for p in prompts
         ]
-        fit_to_context(params, max(map(len, ids)), self.max_model_len)
+        params = fit_to_context(params, max(map(len, ids)), self.max_model_len)
         request_limits.check_response(self.limits, params, [len(i) for i in ids], self.max_model_len, shape)
-        return ids
+        return Prepared(params, ids)
 
     async def _off_loop(self, grammar: object, size: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` (a request's checks and tokenizing) off the event loop unless ``size`` is
@@ -188,7 +205,7 @@ class Frontend:
         prompts: list[str | list[int]],
         shape: ResponseShape = ONCE,
         tokens: PromptTokens = TEXT_TOKENS,
-    ) -> list[list[int]]:
+    ) -> Prepared:
         """check_request, off the event loop when there is much to tokenize or a grammar to compile."""
         size = sum(map(len, prompts))
         return await self._off_loop(params.structured_outputs, size, self.check_request, params, prompts, shape, tokens)
@@ -199,17 +216,16 @@ class Frontend:
         turns: list[Turn],
         how: ChatRender = GENERATION_PROMPT,
         tokens: PromptTokens = CHAT_TOKENS,
-    ) -> list[int]:
-        """The chat template rendered and checked like a prompt."""
+    ) -> Prepared:
+        """The chat template rendered and checked like a prompt (one prompt)."""
         size = sum(len(text) for _, text in turns)
         return await self._off_loop(params.structured_outputs, size, self._chat_ids, params, turns, how, tokens)
 
-    def _chat_ids(self, params: SamplingParams, turns: list[Turn], how: ChatRender, tokens: PromptTokens) -> list[int]:
+    def _chat_ids(self, params: SamplingParams, turns: list[Turn], how: ChatRender, tokens: PromptTokens) -> Prepared:
         text = render_chat(self.tokenizer, turns, how)
         if tokens.truncate_prompt_tokens is None:
             self.check_prompt_chars(text, "messages")
-        (ids,) = self.check_request(params, [text], tokens=tokens)
-        return ids
+        return self.check_request(params, [text], tokens=tokens)
 
     # -- tokenizer routes (vLLM's /tokenize and /detokenize) -------------------------------
 

@@ -84,12 +84,15 @@ class Encoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request.
 
     Greedy means ``temperature < 1e-5``; a greedy request ignores top_k, top_p and min_p.
     ``extra_args`` is the free-form JSON object custom logits processors read.
+
+    Frozen: once validated, a request's parameters cannot change under the engine or a
+    processor; derive a changed copy with ``dataclasses.replace`` (it validates again).
     """
 
     n: int = 1
@@ -127,21 +130,21 @@ class SamplingParams:
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
+        # The normal forms, set once here (the dataclass is frozen).
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        _set(self, "stop", list(stop or []))
+        _set(self, "stop_token_ids", list(self.stop_token_ids or []))
+        _set(self, "bad_words", list(self.bad_words or []))
         if self.logit_bias is not None:
-            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+            _set(self, "logit_bias", {_token_key(k): v for k, v in self.logit_bias.items()})
         if isinstance(self.extra_args, dict) and not self.extra_args:
             # An empty object means "no custom arguments"; vLLM-style validate_params
             # (`params.extra_args and ...`) would otherwise see {} instead of None.
-            self.extra_args = None
+            _set(self, "extra_args", None)
         if self.structured_outputs is not None:
-            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            _set(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
         self._validate()
-        self._all_stop_token_ids = set(self.stop_token_ids)
+        _set(self, "_all_stop_token_ids", set(self.stop_token_ids))
 
     # -- derived -------------------------------------------------------------------------
 
@@ -229,7 +232,7 @@ class SamplingParams:
     def validate_for_model(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         """Checks that need the model: token ids inside the vocabulary, the logprobs cap.
 
-        The standard rules run again first: fields may have been assigned after construction.
+        The standard rules run again first: a caller may have bypassed the frozen fields.
         """
         self._validate()
         for name, ids in (
@@ -248,18 +251,24 @@ class SamplingParams:
     # -- engine-side completion ----------------------------------------------------------
 
     def update_from_tokenizer(self, tokenizer: Encoder, eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
-        """Tokenize bad words (bare and with a leading space, both kept) and collect stop ids."""
+        """Tokenize bad words (bare and with a leading space, both kept) and collect stop ids: the
+        engine-side caches (not fields a caller sets), filled before admission as vLLM does."""
         words: list[list[int]] = []
         for word in self.bad_words:
             for form in (word.lstrip(), " " + word.lstrip()):
                 ids = list(tokenizer.encode(form, add_special_tokens=False))
                 if ids and ids not in words:
                     words.append(ids)
-        self._bad_words_token_ids = words
+        _set(self, "_bad_words_token_ids", words)
         stops = set(self.stop_token_ids)
         if not self.ignore_eos:
             stops |= set(eos_token_ids)
-        self._all_stop_token_ids = stops
+        _set(self, "_all_stop_token_ids", stops)
+
+
+def _set(params: SamplingParams, name: str, value: object) -> None:
+    """The one way to write a frozen field: normal forms and engine-side caches only."""
+    object.__setattr__(params, name, value)
 
 
 def _token_key(k: object) -> int:

@@ -149,10 +149,10 @@ class HttpAdapter:
         rid = new_id("cmpl")
         try:
             body = await self._parse(request, CompletionRequest)
-            params = body.sampling_params()
             raw = body.prompts()
             shape = ResponseShape(prompt_logprobs_per_choice=not body.stream, echo=body.echo)
-            prompts = await fe.prepare(params, raw, shape, body.prompt_tokens)
+            ready = await fe.prepare(body.sampling_params(), raw, shape, body.prompt_tokens)
+            params, prompts = ready.params, ready.prompts
             sched = self._scheduling(request, rid, body)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
@@ -280,9 +280,9 @@ class HttpAdapter:
         rid = new_id("chatcmpl")
         try:
             body = await self._parse(request, ChatCompletionRequest)
-            params = body.sampling_params()
             turns = [(m.role, m.text()) for m in body.messages]
-            ids = await fe.prepare_chat(params, turns, body.render, body.prompt_tokens)
+            ready = await fe.prepare_chat(body.sampling_params(), turns, body.render, body.prompt_tokens)
+            params, ids = ready.params, ready.ids
             sched = self._scheduling(request, rid, body)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)

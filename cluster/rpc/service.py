@@ -96,10 +96,9 @@ class GrpcAdapter:
         self.frontend.authorize(_authorization(ctx))
         msg = self._message(request, pb.GenerateRequest)
         self.frontend.check_model(msg.model if msg.HasField("model") else None)
-        params = sampling_params_from_pb(msg.params)
-        (ids,) = await self.frontend.prepare(params, [prompt_from_pb(msg)])
+        ready = await self.frontend.prepare(sampling_params_from_pb(msg.params), [prompt_from_pb(msg)])
         rid = msg.request_id if msg.HasField("request_id") else uuid.uuid4().hex
-        return rid, ids, params, msg.priority
+        return rid, ready.ids, ready.params, msg.priority
 
     def _scheduling(self, priority: int, ctx: RayServegRPCContext, engine_id: str) -> Scheduling:
         """One group per call, under its API key's tenant (as HTTP)."""

@@ -49,9 +49,10 @@ def test_fit_to_context_matches_the_reference(prompt_len: int, max_tokens: int, 
         with pytest.raises(ValueError, match=rf"^max_tokens: .* {max_tokens} output tokens .* {prompt_len} input"):
             fit_to_context(params, prompt_len, MAX_MODEL_LEN)
         return
-    fit_to_context(params, prompt_len, MAX_MODEL_LEN)
+    fitted = fit_to_context(params, prompt_len, MAX_MODEL_LEN)
     expected = room if max_tokens == INT64_MAX else max_tokens
-    assert (params.max_tokens, params.min_tokens) == (expected, min(min_tokens, expected))
+    assert (fitted.max_tokens, fitted.min_tokens) == (expected, min(min_tokens, expected))
+    assert (params.max_tokens, params.min_tokens) == (max_tokens, min_tokens)  # the caller's is unchanged
 
 
 # -- the deployment -------------------------------------------------------------------------

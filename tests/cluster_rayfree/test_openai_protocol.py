@@ -24,8 +24,8 @@ CHAT = [{"role": "user", "content": "hi"}]
 def test_chat_without_max_tokens_runs_to_the_context():
     params = ChatCompletionRequest.model_validate({"messages": CHAT, "min_tokens": 40}).sampling_params()
     assert params.max_tokens == INT64_MAX
-    fit_to_context(params, prompt_len=30, max_model_len=64)
-    assert (params.max_tokens, params.min_tokens) == (34, 34)
+    fitted = fit_to_context(params, prompt_len=30, max_model_len=64)
+    assert (fitted.max_tokens, fitted.min_tokens) == (34, 34)
 
 
 @pytest.mark.parametrize(

@@ -302,9 +302,13 @@ async def replicas_known(router: CacheAwareRouter, replicas: list[FakeReplica]) 
 
 def test_the_router_reads_the_prompt_where_the_worker_takes_it():
     assert list(inspect.signature(LogitpoolWorker.generate).parameters)[PROMPT_ARG + 1] == "prompt"  # after self
-    assert request_prompt(call([1, 2, 3])) == [1, 2, 3]
-    assert request_prompt(call([1, 2], method="info")) is None
-    assert request_prompt(call(None)) is None
+
+    async def main():  # a PendingRequest makes its future on the running loop
+        assert request_prompt(call([1, 2, 3])) == [1, 2, 3]
+        assert request_prompt(call([1, 2], method="info")) is None
+        assert request_prompt(call(None)) is None
+
+    asyncio.run(main())
 
 
 def test_router_prefers_the_reporting_replica_then_guesses_follow_routing():

@@ -5,6 +5,7 @@ docs/sampling.md "The nine steps"."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -103,10 +104,15 @@ def test_bad_values_are_a_clear_error_naming_the_field(field, kwargs):
 
 
 def test_validation_runs_again_on_every_path(tiny_model):
-    """Fields assigned after construction are checked by the one validator (engine/ingress)."""
+    """SamplingParams is frozen; a field forced past that is still caught by the one validator
+    (engine/ingress), and a copy made with dataclasses.replace is validated again."""
     llm = make_llm(tiny_model)
     p = SamplingParams()
-    p.seed = 2**64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.seed = 2**64  # type: ignore[misc]  # the assignment the frozen dataclass refuses
+    with pytest.raises(ValueError, match=r"^seed"):
+        dataclasses.replace(p, seed=2**64)
+    object.__setattr__(p, "seed", 2**64)
     with pytest.raises(ValueError, match=r"^seed"):
         llm.engine.validate(p)
     with pytest.raises(ValueError, match=r"^request 0: prompt: must be valid Unicode"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import random
@@ -83,8 +84,9 @@ def test_conforms_under_churn_with_random_constraints(compiler: StructuredCompil
     def make(rng: random.Random) -> SamplingParams:
         params = random_params(rng, V)
         if rng.random() < 0.75:
-            params.structured_outputs = StructuredOutputsParams.from_dict(dict(rng.choice(CONSTRAINTS)))
-            params.structured_outputs.compiled = compiler.compile(params.structured_outputs)
+            so = StructuredOutputsParams.from_dict(dict(rng.choice(CONSTRAINTS)))
+            so.compiled = compiler.compile(so)
+            params = dataclasses.replace(params, structured_outputs=so)
         return params
 
     check_processor(StructuredOutputsLogitsProcessor, steps=600, vocab_size=V, make_params=make, seed=3)

@@ -131,11 +131,11 @@ def step_costs(tokenizer: Any, vocab_size: int, batch_size: int, steps: int, see
         outs: list[list[int]] = [[] for _ in range(batch_size)]
         joining = []
         for i in range(batch_size):
-            params = SamplingParams(temperature=0.8, seed=seed + i)
+            so = None
             if constrained:
                 so = StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)][0])
                 so.compiled = compiler.compile(so)
-                params.structured_outputs = so
+            params = SamplingParams(temperature=0.8, seed=seed + i, structured_outputs=so)
             joining.append((str(i), params, [1, 2, 3], outs[i]))
         procs.update_state(pb.update([], joining))
         md = pb.sampling_metadata()
