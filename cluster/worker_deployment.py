@@ -31,7 +31,7 @@ from cluster import pool_stats
 from cluster.gpu_check import check_gpu
 from cluster.replica_bind import bind_replica_grpc_to_node_ip
 from cluster.routing.report import Reporter
-from worker.async_engine import AsyncEngine
+from worker.async_engine import AsyncEngine, EngineStats
 from worker.config import EngineConfig
 from worker.kv import CachedBlocks
 from worker.outputs import OutputAccumulator, RequestOutput
@@ -72,7 +72,7 @@ class ServedEngine(Protocol):
     @property
     def num_running(self) -> int: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
 
     def healthy(self) -> bool: ...
 

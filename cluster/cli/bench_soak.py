@@ -59,6 +59,7 @@ from cluster.cli.soak_classes import (  # noqa: F401 - the kinds and outcomes, r
     grpc_hostile,
     nested_extra_args_request,
 )
+from cluster.config import LogitpoolConfig
 from cluster.limits import Limits
 from worker.bench.faults import FQCN as FAULT_FQCN
 
@@ -574,9 +575,9 @@ async def soak_deployment(
     return report
 
 
-def soak_config(model: str, http_port: int, grpc_port: int, app: str = "logitpool", max_num_seqs: int = 32) -> Any:
-    from cluster.config import LogitpoolConfig
-
+def soak_config(
+    model: str, http_port: int, grpc_port: int, app: str = "logitpool", max_num_seqs: int = 32
+) -> LogitpoolConfig:
     return LogitpoolConfig.model_validate(
         {
             "engine": {

@@ -14,14 +14,17 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.cli.errors import EXIT_BROKEN_PIPE, EXIT_ERROR, CliError, one_line
 from cluster.cli.launch import deploy, healthy, start_serve, wait_ready
 from worker.config import EngineConfig  # dataclasses only: no heavy import
 
+if TYPE_CHECKING:  # pydantic and the config's imports load only with a command that needs them
+    from cluster.config import LogitpoolConfig
 
-def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("serve", parents=[common], help="start (or join) a Ray cluster and serve logitpool until Ctrl-C")
     p.add_argument("--config", type=Path, help="LogitpoolConfig YAML file (flags override it)")
     p.add_argument("--model", help="HF model path or hub id (default: the embedded tiny model)")
@@ -38,7 +41,7 @@ def _serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--session", type=Path, help="where `status`/`scale` find this server (default: the cache's)")
 
 
-def build_config(args: argparse.Namespace) -> Any:
+def build_config(args: argparse.Namespace) -> LogitpoolConfig:
     from cluster.config import LogitpoolConfig
 
     cfg = LogitpoolConfig.from_yaml(args.config) if args.config else LogitpoolConfig()
@@ -70,20 +73,21 @@ def build_config(args: argparse.Namespace) -> Any:
     return cfg.with_overrides(**o) if o else cfg
 
 
-def check_processors(cfg: Any) -> None:
+def check_processors(cfg: LogitpoolConfig) -> None:
     """Import every configured logits processor here, in seconds, before any Ray process starts
     (a worker replica would otherwise fail the same import, after Serve's retries)."""
     from worker.logits_processor.registry import resolve_processor_class
 
-    for fqcn in cfg.engine.logits_processors:
+    for spec in cfg.engine.logits_processors:
+        fqcn = spec if isinstance(spec, str) else f"{spec.__module__}.{spec.__qualname__}"
         try:
-            resolve_processor_class(fqcn)
+            resolve_processor_class(spec)
         except Exception as exc:
             text = str(exc).strip()
             raise CliError(text if fqcn in text else f"logits processor {fqcn}: {one_line(exc)}") from exc
 
 
-def check_model(cfg: Any) -> None:
+def check_model(cfg: LogitpoolConfig) -> None:
     model = cfg.engine.model
     if model is not None and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
         raise CliError(f"model: no such directory: {model}")
@@ -95,7 +99,9 @@ def _command_name() -> str:
     return shlex.quote(argv0) if Path(argv0).name == "logitpool" else f"{shlex.quote(sys.executable)} -m cluster.cli"
 
 
-def banner(cfg: Any, host: str, keys: bool, session_path: Path | None = None, status: bool = True) -> list[str]:
+def banner(
+    cfg: LogitpoolConfig, host: str, keys: bool, session_path: Path | None = None, status: bool = True
+) -> list[str]:
     http = f"http://{host}:{cfg.server.http_port}"
     first_key = f"${{{cfg.api_key_env}%%,*}}"  # the variable may hold several keys: the first one
     auth = f' -H "Authorization: Bearer {first_key}"' if keys else ""
@@ -164,7 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     stop = False
 
-    def _stop(*_: Any) -> None:
+    def _stop(*_: object) -> None:
         nonlocal stop
         stop = True
 
