@@ -97,52 +97,53 @@ def _cancel_timer(protocol: Any, attr: str) -> None:
     setattr(protocol, attr, None)
 
 
+def _expire(self: Any, timeout_s: float) -> None:
+    """The read timer fired: a 408 unless a response is under way, then the connection closes."""
+    self._lp_timer = None
+    transport = self.transport
+    if transport is None or transport.is_closing() or _request_read(self):
+        return
+    cycle = self.cycle
+    if cycle is None or cycle is getattr(self, "_lp_read_cycle", None) or not cycle.response_started:
+        transport.write(_timeout_response(timeout_s))
+    transport.close()
+
+
+def _refuse_head(self: Any, max_header_bytes: int) -> None:
+    cycle = self.cycle
+    if cycle is None or cycle.response_complete:  # not in the middle of a pipelined response
+        self.transport.write(_header_response(max_header_bytes))
+    self.transport.close()
+
+
+def _feed(self: Any, data: bytes, data_received: Any, max_header_bytes: int) -> bool:
+    """uvicorn's data_received, the head cut at max_header_bytes; False once the head is refused."""
+    if _in_head(self):
+        room = max_header_bytes - self._lp_head_bytes
+        if len(data) > room:
+            if room > 0:
+                data_received(self, data[:room])
+            if self.transport.is_closing():
+                return False
+            if _in_head(self):
+                _refuse_head(self, max_header_bytes)
+                return False
+            data = data[room:]
+        else:
+            self._lp_head_bytes += len(data)
+    data_received(self, data)
+    if not _in_head(self):
+        self._lp_head_bytes = 0
+    return True
+
+
 def _patch(cls: Any, timeout_s: float, max_header_bytes: int) -> None:
     if "_lp_read_timeout" in cls.__dict__:
         return
     connection_made, data_received, connection_lost = cls.connection_made, cls.data_received, cls.connection_lost
 
-    def expire(self: Any) -> None:
-        self._lp_timer = None
-        transport = self.transport
-        if transport is None or transport.is_closing() or _request_read(self):
-            return
-        cycle = self.cycle
-        if cycle is None or cycle is getattr(self, "_lp_read_cycle", None) or not cycle.response_started:
-            transport.write(_timeout_response(timeout_s))
-        transport.close()
-
     def arm(self: Any) -> None:
-        self._lp_timer = self.loop.call_later(timeout_s, expire, self)
-
-    def disarm(self: Any) -> None:
-        _cancel_timer(self, "_lp_timer")
-
-    def refuse_head(self: Any) -> None:
-        cycle = self.cycle
-        if cycle is None or cycle.response_complete:  # not in the middle of a pipelined response
-            self.transport.write(_header_response(max_header_bytes))
-        self.transport.close()
-
-    def feed(self: Any, data: bytes) -> bool:
-        """data_received, the head cut at max_header_bytes; False once the head is refused."""
-        if _in_head(self):
-            room = max_header_bytes - self._lp_head_bytes
-            if len(data) > room:
-                if room > 0:
-                    data_received(self, data[:room])
-                if self.transport.is_closing():
-                    return False
-                if _in_head(self):
-                    refuse_head(self)
-                    return False
-                data = data[room:]
-            else:
-                self._lp_head_bytes += len(data)
-        data_received(self, data)
-        if not _in_head(self):
-            self._lp_head_bytes = 0
-        return True
+        self._lp_timer = self.loop.call_later(timeout_s, _expire, self, timeout_s)
 
     def patched_connection_made(self: Any, transport: Any) -> None:
         connection_made(self, transport)
@@ -153,14 +154,14 @@ def _patch(cls: Any, timeout_s: float, max_header_bytes: int) -> None:
     def patched_data_received(self: Any, data: bytes) -> None:
         if getattr(self, "_lp_timer", None) is None:
             arm(self)  # the first byte of a later request on a kept-alive connection
-        if not feed(self, data):
+        if not _feed(self, data, data_received, max_header_bytes):
             return
         if _request_read(self):
             self._lp_read_cycle = self.cycle  # read in full: the clock stops until the next request
-            disarm(self)
+            _cancel_timer(self, "_lp_timer")
 
     def patched_connection_lost(self: Any, exc: Exception | None) -> None:
-        disarm(self)
+        _cancel_timer(self, "_lp_timer")
         connection_lost(self, exc)
 
     cls.connection_made = patched_connection_made
