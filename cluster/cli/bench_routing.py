@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -330,7 +331,13 @@ async def amain(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cost" in argv:  # routing's own cost per request, in-process (cluster.cli.bench_routing_cost)
+        from cluster.cli.bench_routing_cost import main as cost_main
+
+        return cost_main([a for a in argv if a != "--cost"])
     p = argparse.ArgumentParser(prog="logitpool bench routing", description="cache-aware routing vs the baselines")
+    p.add_argument("--cost", action="store_true", help="measure routing's own cost per request instead (no replicas)")
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))

@@ -486,3 +486,16 @@ def test_the_worker_reports_the_blocks_its_engine_cached(tiny_model):
         await worker.engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_cost_bench_routes_no_sharing_prompts_by_load_under_both_routers(capsys):
+    """`bench routing --cost`'s premise: no block of a no-sharing prompt matches a full report, so
+    the cache-aware router decides by load (its fallback is Serve's power-of-two pair)."""
+    from cluster.cli import bench_routing_cost
+
+    args = ["--replicas", "3", "--blocks", "64", "--decisions", "20", "--reports", "2", "--prompt-min", "40"]
+    costs = asyncio.run(bench_routing_cost.amain(bench_routing_cost.parse(args)))
+    assert [c.policy for c in costs] == ["cache_aware", "power_of_two"]
+    assert [c.decisions for c in costs] == [20, 20] and [c.by_cache for c in costs] == [0, -1]
+    assert all(0 < c.us_p50 <= c.us_p99 for c in costs)
+    assert "| cache_aware |" in capsys.readouterr().out
