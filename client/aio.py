@@ -71,11 +71,15 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         model: str | None = None,
+        add_special_tokens: bool | None = None,
         timeout: float | None = None,
         **sampling: Any,
     ) -> Completion:
-        """Generate all completions of one request. ``sampling``: SamplingParams' field names."""
-        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        """Generate all completions of one request. ``sampling``: SamplingParams' field names;
+        ``add_special_tokens``: whether a text prompt gets the tokenizer's BOS (server default: yes)."""
+        request = convert.generate_request(
+            prompt, sampling, request_id=request_id, model=model, add_special_tokens=add_special_tokens
+        )
         response = await self._unary(self._stub.Generate, request, timeout)
         return convert.completion_from_pb(response)
 
@@ -85,12 +89,15 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         model: str | None = None,
+        add_special_tokens: bool | None = None,
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncStream:
         """Stream chunks as tokens are sampled. The call starts on first iteration; ``aclose()``,
         leaving an ``async with`` block or dropping the stream cancels it on the server."""
-        request = convert.generate_request(prompt, sampling, request_id=request_id, model=model)
+        request = convert.generate_request(
+            prompt, sampling, request_id=request_id, model=model, add_special_tokens=add_special_tokens
+        )
 
         def start(remaining: float) -> _StreamCall:
             return self._stub.GenerateStream(request, timeout=remaining, metadata=self._metadata)

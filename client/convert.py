@@ -169,8 +169,10 @@ def generate_request(
     *,
     request_id: str | None = None,
     model: str | None = None,
+    add_special_tokens: bool | None = None,
 ) -> pb.GenerateRequest:
-    """One GenerateRequest from a prompt (text or token ids) and sampling keywords."""
+    """One GenerateRequest from a prompt (text or token ids) and sampling keywords;
+    ``add_special_tokens``: None leaves the server's default (true)."""
     req = pb.GenerateRequest(params=sampling_params_to_pb(sampling))
     if isinstance(prompt, str):
         req.prompt = prompt
@@ -183,6 +185,8 @@ def generate_request(
         req.request_id = request_id
     if model is not None:
         req.model = model
+    if add_special_tokens is not None:
+        req.add_special_tokens = add_special_tokens
     return req
 
 
@@ -205,7 +209,7 @@ def call_metadata(api_key: str | None, application: str | None) -> tuple[tuple[s
 
 
 def _usage(msg: pb.Usage) -> Usage:
-    return Usage(msg.prompt_tokens, msg.completion_tokens, msg.total_tokens)
+    return Usage(msg.prompt_tokens, msg.completion_tokens, msg.total_tokens, msg.cached_tokens)
 
 
 def _logprobs(positions: Sequence[pb.PositionLogprobs]) -> tuple[TokenLogprobs, ...]:

@@ -11,6 +11,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens the server found in its prefix cache."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from typing import Any
 from client import extra_args_from_pb
 from client.convert import structured_outputs_from_pb
 from client.pb.logitpool.v1 import logitpool_pb2 as pb
+from cluster.chat import TEXT_TOKENS, PromptTokens
 from worker.logits_processor.registry import ProcessorInfo
 from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from worker.sampling_params import SamplingParams
@@ -55,6 +56,13 @@ def prompt_from_pb(req: pb.GenerateRequest) -> str | list[int]:
     raise ValueError("prompt: give prompt or prompt_token_ids")
 
 
+def prompt_tokens_from_pb(req: pb.GenerateRequest) -> PromptTokens:
+    """Special tokens for a text prompt: the request's choice, else the completions default."""
+    return (
+        PromptTokens(add_special_tokens=req.add_special_tokens) if req.HasField("add_special_tokens") else TEXT_TOKENS
+    )
+
+
 def _logprobs_pb(
     positions: list[PositionLogprobs] | None, token_ids: list[int], decode: Any
 ) -> list[pb.PositionLogprobs]:
@@ -89,7 +97,12 @@ def _prompt_logprobs_pb(out: RequestOutput, prompt_token_ids: list[int], decode:
 def _usage(out: RequestOutput) -> pb.Usage:
     n_prompt = len(out.prompt_token_ids)
     n_out = sum(len(c.token_ids) for c in out.outputs)
-    return pb.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+    return pb.Usage(
+        prompt_tokens=n_prompt,
+        completion_tokens=n_out,
+        total_tokens=n_prompt + n_out,
+        cached_tokens=out.num_cached_tokens or 0,
+    )
 
 
 def response_pb(request_id: str, out: RequestOutput, decode: Any) -> pb.GenerateResponse:

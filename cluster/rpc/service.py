@@ -23,7 +23,14 @@ from cluster.errors import ResponseTooLarge, classify
 from cluster.frontend import Frontend
 from cluster.grpc_servicers import GrpcRejected, WireRequest, install_rejection_logging, one_line
 from cluster.limits import PayloadTooLarge
-from cluster.rpc.convert import delta_pb, processors_pb, prompt_from_pb, response_pb, sampling_params_from_pb
+from cluster.rpc.convert import (
+    delta_pb,
+    processors_pb,
+    prompt_from_pb,
+    prompt_tokens_from_pb,
+    response_pb,
+    sampling_params_from_pb,
+)
 from worker.outputs import OutputAccumulator
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
@@ -96,7 +103,8 @@ class GrpcAdapter:
         self.frontend.authorize(_authorization(ctx))
         msg = self._message(request, pb.GenerateRequest)
         self.frontend.check_model(msg.model if msg.HasField("model") else None)
-        ready = await self.frontend.prepare(sampling_params_from_pb(msg.params), [prompt_from_pb(msg)])
+        params, prompt = sampling_params_from_pb(msg.params), prompt_from_pb(msg)
+        ready = await self.frontend.prepare(params, [prompt], tokens=prompt_tokens_from_pb(msg))
         rid = msg.request_id if msg.HasField("request_id") else uuid.uuid4().hex
         return rid, ready.ids, ready.params, msg.priority
 

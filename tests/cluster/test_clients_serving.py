@@ -176,3 +176,22 @@ def test_an_unimplemented_vllm_field_is_a_400(oai: openai.OpenAI, base: str) -> 
     assert err.value.body["param"] == "use_beam_search"
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1, "cache_salt": "s"}, timeout=60)
     assert error_of(r, 400)["param"] == "cache_salt"
+
+
+def test_grpc_add_special_tokens_and_cached_tokens(serving, tokenizer: Any) -> None:
+    """gRPC has HTTP's two: a text prompt's BOS on request (default on), and the prefix-cache
+    hits in the usage (unary and streamed)."""
+    from client import Client
+
+    prompt = f"{uuid.uuid4().hex} " + "a stitch in time saves nine " * 10
+    with Client(f"127.0.0.1:{serving.server.grpc_port}", timeout=60, application=APP) as c:
+        cold = c.generate(prompt, max_tokens=1)
+        bare = c.generate(prompt, max_tokens=1, add_special_tokens=False)
+        assert cold.usage.prompt_tokens == len(tokenizer.encode(prompt)) == bare.usage.prompt_tokens + 1
+        assert cold.usage.cached_tokens == 0
+        warm = c.generate(prompt, max_tokens=1, add_special_tokens=True)
+        assert warm.usage.cached_tokens == (cold.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+        with c.stream(prompt, max_tokens=2) as s:
+            chunks = list(s)
+        (last,) = [ch for ch in chunks if ch.usage is not None]
+        assert last.usage.cached_tokens == warm.usage.cached_tokens
