@@ -50,6 +50,8 @@ class Metrics:
             "logitpool_generated_tokens", "Output tokens generated", ["protocol", "ingress"], registry=self.registry
         )
         self.series = RequestSeries(self.registry, model_name, replica, max_model_len)
+        # This process's routers' counters, read at each snapshot: published with the rest.
+        self.registry.register(RoutingCollector(replica))
 
     def request(self, protocol: str, status: int | str, outs: Sequence[RequestOutput] = (), tokens: int = 0) -> None:
         self.requests.labels(protocol, str(status), self.replica).inc()
@@ -74,7 +76,6 @@ class Metrics:
         registry = CollectorRegistry()
         registry.register(_Families(families(with_own(peers, self.snapshot(), self.replica), self.names)))
         registry.register(PoolCollector(pool, self.model_name, self.names))
-        registry.register(RoutingCollector(self.replica))
         return generate_latest(registry), CONTENT_TYPE_LATEST
 
 

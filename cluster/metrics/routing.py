@@ -1,7 +1,8 @@
 """How this ingress replica's cache-aware routers (cluster.routing; none under power_of_two)
 routed requests: by cache or by load per worker replica, the blocks each replica's index holds,
 the reports taken. Routers live in the process holding the worker handle, so each ingress replica
-reports its own, under its `ingress` label."""
+counts its own, under its `ingress` label, in the registry it publishes (cluster.metrics.shared):
+any replica's /metrics shows every replica's routing."""
 
 from __future__ import annotations
 
