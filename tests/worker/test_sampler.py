@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -50,9 +51,9 @@ def sample(params: Sequence[SamplingParams], x: torch.Tensor, seed: int = 0, **k
 
 
 def _random_params(rng: random.Random, v: int, **overrides: Any) -> SamplingParams:
-    p = random_params(rng, v)
-    for k, val in overrides.items():
-        setattr(p, k, val)
+    """random_params with some fields set (a validated copy), completed as the engine would."""
+    p = dataclasses.replace(random_params(rng, v), **overrides)
+    p.update_from_tokenizer(CharTokenizer(v), eos_token_ids={v - 1})
     return p
 
 
