@@ -25,6 +25,7 @@ from cluster.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from cluster.openai.responses import ResponsesRequest
 from cluster.openai.wire import status_response
 
 TITLE = "logitpool"
@@ -36,6 +37,8 @@ def build_api(http: HttpAdapter) -> FastAPI:
     api = FastAPI(title=TITLE, description=DESCRIPTION)
     api.post("/v1/completions")(http.completions)
     api.post("/v1/chat/completions")(http.chat_completions)
+    api.post("/v1/responses")(http.responses)
+    api.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])(http.retrieve_response)
     api.get("/v1/models")(http.models)
     api.get("/v1/models/{model:path}")(http.model)
     api.post("/tokenize")(http.tokenize)
@@ -91,6 +94,7 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
     bodies: dict[str, tuple[type[BaseModel], ...]] = {
         "/v1/completions": (CompletionRequest,),
         "/v1/chat/completions": (ChatCompletionRequest,),
+        "/v1/responses": (ResponsesRequest,),
         "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),  # chat when `messages` is there
         "/detokenize": (DetokenizeRequest,),
     }
@@ -105,7 +109,7 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}},
         }
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         # `"stream": true` answers server-sent events instead of one JSON object.
         sse_body = {"schema": {"type": "string"}}
         schema["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = sse_body
