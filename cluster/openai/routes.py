@@ -38,7 +38,9 @@ def build_api(http: HttpAdapter) -> FastAPI:
     api.post("/v1/completions")(http.completions)
     api.post("/v1/chat/completions")(http.chat_completions)
     api.post("/v1/responses")(http.responses)
-    api.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])(http.retrieve_response)
+    # Nothing is stored: retrieve, delete, input_items and cancel (a POST, left out of the document) all 404.
+    api.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE"])(http.retrieve_response)
+    api.post("/v1/responses/{response_id:path}", include_in_schema=False)(http.retrieve_response)
     api.get("/v1/models")(http.models)
     api.get("/v1/models/{model:path}")(http.model)
     api.post("/tokenize")(http.tokenize)
@@ -109,10 +111,18 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}},
         }
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+    for path in ("/v1/completions", "/v1/chat/completions"):
         # `"stream": true` answers server-sent events instead of one JSON object.
         sse_body = {"schema": {"type": "string"}}
         schema["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = sse_body
+    # /v1/responses names each event (OpenAI's `event:` line); its data is one JSON object.
+    named = {"type": "string", "contentMediaType": "application/json"}
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {"event": {"type": "string"}, "data": named},
+    }
+    schema["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"] = {"schema": event}
     # Prometheus' text format, not JSON.
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     # /health answers 503 with its own body (how many replicas are alive), not an error object.

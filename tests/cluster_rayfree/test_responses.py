@@ -367,6 +367,7 @@ def test_off_values_model_key_and_nothing_stored(fe: Frontend) -> None:  # noqa:
         sdk(fe, lambda c: c.responses.retrieve("resp_abc"))
     assert err.value.body["param"] == "response_id" and "stores no responses" in err.value.body["message"]
     assert http(fe, "DELETE", "/v1/responses/resp_abc").status_code == 404
+    assert http(fe, "POST", "/v1/responses/resp_abc/cancel").json()["error"]["param"] == "response_id"
     assert http(fe, "GET", "/v1/responses/resp_abc", key=None).status_code == 401
     doc = http(fe, "GET", "/openapi.json").json()
     op = doc["paths"]["/v1/responses"]["post"]
