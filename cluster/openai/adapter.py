@@ -60,6 +60,7 @@ from cluster.openai.responses import (
     responses_fields,
     sse_event,
 )
+from cluster.openai.structured import ForcedTool
 from cluster.openai.wire import (
     StreamedJSONResponse,
     StrictJSONResponse,
@@ -289,7 +290,7 @@ class HttpAdapter:
         rid = new_id("chatcmpl")
         try:
             body = await self._parse(request, ChatCompletionRequest)
-            params, ids, sched = await self._prepare_chat(request, rid, body)
+            params, ids, sched, tools = await self._prepare_chat(request, rid, body)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         top_n = body.top_logprobs or 0
@@ -303,7 +304,7 @@ class HttpAdapter:
             return self.error(exc)
         fe.count_ok("http", [out])
         token_ids = bool(body.return_token_ids)
-        args = (fe.decode_token, top_n, token_ids, body.forced_tool, body.include_stop_str_in_output)
+        args = (fe.decode_token, top_n, token_ids, tools, body.include_stop_str_in_output)
         if self._large(params, [ids]):
             head, choices = chat_head(rid, fe.model_name), chat_choices(out, *args)
             return StreamedJSONResponse(json_chunks(head, "choices", choices, lambda: chat_tail(out, token_ids)))
@@ -311,12 +312,14 @@ class HttpAdapter:
 
     async def _prepare_chat(
         self, request: Request, rid: str, body: ChatCompletionRequest
-    ) -> tuple[SamplingParams, list[int], Scheduling]:
-        """A chat request's sampling params, prompt ids and scheduling (chat and /v1/responses)."""
+    ) -> tuple[SamplingParams, list[int], Scheduling, ForcedTool | None]:
+        """A chat request's sampling params, prompt ids, scheduling and how its output becomes a
+        tool call (chat_choices' ``tool``): the one place for both chat and /v1/responses."""
+        tools = body.forced_tool
         params = body.sampling_params()
         turns = [(m.role, m.text()) for m in body.messages]
         ids = await self.frontend.prepare_chat(params, turns, body.render, body.prompt_tokens)
-        return params, ids, self._scheduling(request, rid, body)
+        return params, ids, self._scheduling(request, rid, body), tools
 
     async def _stream_chat(
         self,
@@ -370,29 +373,29 @@ class HttpAdapter:
             head = ResponseObject.start(fe.model_name, body)
             with responses_fields():
                 chat = body.chat_request()
-                params, ids, sched = await self._prepare_chat(request, head.id, chat)
+                params, ids, sched, tools = await self._prepare_chat(request, head.id, chat)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         if body.stream:
-            stream = self._stream_response(head, ids, params, chat, body.streams_text, sched)
+            stream = self._stream_response(head, ids, params, tools, body.streams_text, sched)
             return StreamingResponse(stream, media_type="text/event-stream")
         try:
             out = await fe.run(head.id, ids, params, sched)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         fe.count_ok("http", [out])
-        return StrictJSONResponse(finished(head, self._chat_choice(out, chat), out).model_dump(mode="json"))
+        return StrictJSONResponse(finished(head, self._chat_choice(out, tools), out).model_dump(mode="json"))
 
-    def _chat_choice(self, out: RequestOutput, chat: ChatCompletionRequest) -> dict[str, Any]:
+    def _chat_choice(self, out: RequestOutput, tools: ForcedTool | None) -> dict[str, Any]:
         """Chat's answer for ``out``: its one choice, the tool call parsed as chat parses it."""
-        return next(chat_choices(out, self.frontend.decode_token, 0, tool=chat.forced_tool))
+        return next(chat_choices(out, self.frontend.decode_token, 0, tool=tools))
 
     async def _stream_response(
         self,
         head: ResponseObject,
         ids: list[int],
         params: SamplingParams,
-        chat: ChatCompletionRequest,
+        tools: ForcedTool | None,
         live: bool,
         sched: Scheduling,
     ) -> AsyncIterator[str]:
@@ -419,7 +422,7 @@ class HttpAdapter:
             return
         out.prompt_token_ids = ids  # deltas arrive without the prompt
         fe.count_ok("http", [out])
-        for event in events.finish(finished(head, self._chat_choice(out, chat), out)):
+        for event in events.finish(finished(head, self._chat_choice(out, tools), out)):
             yield sse_event(event)
 
     async def retrieve_response(self, request: Request, response_id: str) -> Response:
