@@ -8,7 +8,7 @@ built in one place, cluster.openai.routes.status_response / error_body). Routes:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -386,7 +386,7 @@ class HttpAdapter:
         fe.count_ok("http", [out])
         return StrictJSONResponse(finished(head, self._chat_choice(out, tools), out).model_dump(mode="json"))
 
-    def _chat_choice(self, out: RequestOutput, tools: ForcedTool | None) -> dict[str, Any]:
+    def _chat_choice(self, out: RequestOutput, tools: ForcedTool | None) -> Mapping[str, Any]:
         """Chat's answer for ``out``: its one choice, the tool call parsed as chat parses it."""
         return next(chat_choices(out, self.frontend.decode_token, 0, tool=tools))
 

@@ -261,6 +261,9 @@ def test_create_through_the_sdk(fe: Frontend) -> None:  # noqa: F811 - fixture
     assert (r.instructions, r.max_output_tokens, r.store) == ("be brief", 3, False)
     ((_, _, params),) = FakeEngine.seen
     assert params.max_tokens == 3
+    FakeEngine.cached_tokens = 5  # what the worker says its prefix cache served (fe resets it)
+    again = sdk(fe, lambda c: c.responses.create(model=fe.model_name, input="hi there", max_output_tokens=1))
+    assert again.usage is not None and again.usage.input_tokens_details.cached_tokens == 5
 
 
 def test_stream_through_the_sdk_helper(fe: Frontend) -> None:  # noqa: F811 - fixture
