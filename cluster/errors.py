@@ -93,8 +93,19 @@ def classify(exc: BaseException) -> Status:
 _PARAM = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
 
 
+def error_param(message: str) -> str | None:
+    """The field an error message names first (``"n: ..."``), None when it names none."""
+    m = _PARAM.match(message)
+    return m.group(1) if m and m.group(1) not in ("body", "request") else None
+
+
 def error_body(status: Status) -> dict[str, Any]:
-    """OpenAI's error shape; `param` is the field a message names first (``"n: ..."``)."""
-    m = _PARAM.match(status.message)
-    param = m.group(1) if m and m.group(1) not in ("body", "request") else None
-    return {"error": {"message": status.message, "type": status.kind, "code": status.http, "param": param}}
+    """OpenAI's error shape; `param` is the field the message names (error_param)."""
+    return {
+        "error": {
+            "message": status.message,
+            "type": status.kind,
+            "code": status.http,
+            "param": error_param(status.message),
+        }
+    }

@@ -8,15 +8,15 @@ built in one place, cluster.openai.routes.status_response / error_body). Routes:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster import limits as request_limits
 from cluster import pool_stats
-from cluster.errors import classify, error_body
+from cluster.errors import RequestFailed, classify, error_body
 from cluster.frontend import Frontend
 from cluster.limits import (
     ONCE,
@@ -51,6 +51,16 @@ from cluster.openai.protocol import (
     usage,
     usage_chunk,
 )
+from cluster.openai.responses import (
+    NotStored,
+    ResponseEvents,
+    ResponseObject,
+    ResponsesRequest,
+    finished,
+    responses_fields,
+    sse_event,
+)
+from cluster.openai.structured import ForcedTool
 from cluster.openai.wire import (
     StreamedJSONResponse,
     StrictJSONResponse,
@@ -60,7 +70,7 @@ from cluster.openai.wire import (
     sse,
     status_response,
 )
-from worker.outputs import RequestOutput
+from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
@@ -280,10 +290,7 @@ class HttpAdapter:
         rid = new_id("chatcmpl")
         try:
             body = await self._parse(request, ChatCompletionRequest)
-            turns = [(m.role, m.text()) for m in body.messages]
-            ready = await fe.prepare_chat(body.sampling_params(), turns, body.render, body.prompt_tokens)
-            params, ids = ready.params, ready.ids
-            sched = self._scheduling(request, rid, body)
+            params, ids, sched, tools = await self._prepare_chat(request, rid, body)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         top_n = body.top_logprobs or 0
@@ -297,11 +304,21 @@ class HttpAdapter:
             return self.error(exc)
         fe.count_ok("http", [out])
         token_ids = bool(body.return_token_ids)
-        args = (fe.decode_token, top_n, token_ids, body.forced_tool, body.include_stop_str_in_output)
+        args = (fe.decode_token, top_n, token_ids, tools, body.include_stop_str_in_output)
         if self._large(params, [ids]):
             head, choices = chat_head(rid, fe.model_name), chat_choices(out, *args)
             return StreamedJSONResponse(json_chunks(head, "choices", choices, lambda: chat_tail(out, token_ids)))
         return StrictJSONResponse(chat_response(rid, fe.model_name, out, *args))
+
+    async def _prepare_chat(
+        self, request: Request, rid: str, body: ChatCompletionRequest
+    ) -> tuple[SamplingParams, list[int], Scheduling, ForcedTool | None]:
+        """A chat request's sampling params, prompt ids, scheduling and how its output becomes a
+        tool call (chat_choices' ``tool``): the one place for both chat and /v1/responses."""
+        tools = body.forced_tool
+        turns = [(m.role, m.text()) for m in body.messages]
+        ready = await self.frontend.prepare_chat(body.sampling_params(), turns, body.render, body.prompt_tokens)
+        return ready.params, ready.ids, self._scheduling(request, rid, body), tools
 
     async def _stream_chat(
         self,
@@ -345,6 +362,75 @@ class HttpAdapter:
             yield sse(usage_chunk(rid, fe.model_name, "chat.completion.chunk", u, created=created))
         fe.count_ok("http", tokens=n_tokens)
         yield DONE
+
+    # -- /v1/responses (on the chat path: cluster.openai.responses) -------------------------
+
+    async def responses(self, request: Request) -> Response:
+        fe = self.frontend
+        try:
+            body = ResponsesRequest.model_validate(await self._parse_json(request))
+            head = ResponseObject.start(fe.model_name, body)
+            with responses_fields():
+                chat = body.chat_request()
+                params, ids, sched, tools = await self._prepare_chat(request, head.id, chat)
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
+            return self.error(exc)
+        if body.stream:
+            stream = self._stream_response(head, ids, params, tools, body.streams_text, sched)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            out = await fe.run(head.id, ids, params, sched)
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
+            return self.error(exc)
+        fe.count_ok("http", [out])
+        return StrictJSONResponse(finished(head, self._chat_choice(out, tools), out).model_dump(mode="json"))
+
+    def _chat_choice(self, out: RequestOutput, tools: ForcedTool | None) -> Mapping[str, Any]:
+        """Chat's answer for ``out``: its one choice, the tool call parsed as chat parses it."""
+        return next(chat_choices(out, self.frontend.decode_token, 0, tool=tools))
+
+    async def _stream_response(
+        self,
+        head: ResponseObject,
+        ids: list[int],
+        params: SamplingParams,
+        tools: ForcedTool | None,
+        live: bool,
+        sched: Scheduling,
+    ) -> AsyncIterator[str]:
+        """OpenAI's event stream; ``live``: text is sent as generated (else at the end, whole)."""
+        fe = self.frontend
+        events = ResponseEvents(head)
+        acc = OutputAccumulator()
+        out: RequestOutput | None = None
+        for event in events.start() + (events.open_text() if live else []):
+            yield sse_event(event)
+        try:
+            async for delta in fe.stream_deltas(head.id, ids, params, sched):
+                out = acc.add(delta)
+                for c in delta.outputs if live else ():
+                    for event in events.text(c.text):
+                        yield sse_event(event)
+            if out is None or not out.finished:
+                raise RequestFailed("worker stream ended before the request finished")
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
+            status = classify(exc)
+            fe.count_error(status, "http")
+            for event in events.failed(status):
+                yield sse_event(event)
+            return
+        out.prompt_token_ids = ids  # deltas arrive without the prompt
+        fe.count_ok("http", [out])
+        for event in events.finish(finished(head, self._chat_choice(out, tools), out)):
+            yield sse_event(event)
+
+    async def retrieve_response(self, request: Request, response_id: str) -> Response:
+        """GET/DELETE /v1/responses/{id} (and its sub-paths): nothing is stored, so a 404."""
+        try:
+            self.frontend.authorize(request.headers.get("authorization"))
+            raise NotStored(response_id)
+        except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
+            return self.error(exc)
 
     # -- the rest --------------------------------------------------------------------------
 

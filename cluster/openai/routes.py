@@ -25,6 +25,7 @@ from cluster.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from cluster.openai.responses import ResponsesRequest
 from cluster.openai.wire import status_response
 
 TITLE = "logitpool"
@@ -36,6 +37,10 @@ def build_api(http: HttpAdapter) -> FastAPI:
     api = FastAPI(title=TITLE, description=DESCRIPTION)
     api.post("/v1/completions")(http.completions)
     api.post("/v1/chat/completions")(http.chat_completions)
+    api.post("/v1/responses")(http.responses)
+    # Nothing is stored: retrieve, delete, input_items and cancel (a POST, left out of the document) all 404.
+    api.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE"])(http.retrieve_response)
+    api.post("/v1/responses/{response_id:path}", include_in_schema=False)(http.retrieve_response)
     api.get("/v1/models")(http.models)
     api.get("/v1/models/{model:path}")(http.model)
     api.post("/tokenize")(http.tokenize)
@@ -91,6 +96,7 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
     bodies: dict[str, tuple[type[BaseModel], ...]] = {
         "/v1/completions": (CompletionRequest,),
         "/v1/chat/completions": (ChatCompletionRequest,),
+        "/v1/responses": (ResponsesRequest,),
         "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),  # chat when `messages` is there
         "/detokenize": (DetokenizeRequest,),
     }
@@ -109,6 +115,14 @@ def _openapi(api: FastAPI) -> dict[str, Any]:
         # `"stream": true` answers server-sent events instead of one JSON object.
         sse_body = {"schema": {"type": "string"}}
         schema["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"] = sse_body
+    # /v1/responses names each event (OpenAI's `event:` line); its data is one JSON object.
+    named = {"type": "string", "contentMediaType": "application/json"}
+    event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {"event": {"type": "string"}, "data": named},
+    }
+    schema["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"] = {"schema": event}
     # Prometheus' text format, not JSON.
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     # /health answers 503 with its own body (how many replicas are alive), not an error object.

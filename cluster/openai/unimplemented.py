@@ -99,6 +99,45 @@ STREAM_OPTIONS: Mapping[str, Unimplemented] = {
 }
 
 
+# /v1/responses (OpenAI's ResponseCreateParams; vLLM's ResponsesRequest extras): stored state,
+# background runs, built-in tools and what needs a reasoning parser or more output data.
+_NOT_STORED = "this server stores no responses: send the whole conversation as input"
+RESPONSES: Mapping[str, Unimplemented] = {
+    "previous_response_id": Unimplemented(_NOT_STORED),
+    "conversation": Unimplemented(_NOT_STORED),
+    "store": Unimplemented("responses are not stored; set store=false or leave it out", (False,)),
+    "background": Unimplemented("background responses are not supported (they need stored responses)", (False,)),
+    "background_options": Unimplemented("background responses are not supported"),
+    "prompt": Unimplemented("stored prompt templates are not supported"),
+    "include": Unimplemented("no extra output data is returned", ([],)),
+    "reasoning": CHAT["reasoning_effort"],
+    "max_tool_calls": Unimplemented("built-in tools are not supported; the caller runs function calls"),
+    "context_management": Unimplemented("context management (compaction) is not supported"),
+    "truncation": Unimplemented("a prompt past the context is a 400, never truncated", ("disabled",)),
+    "top_logprobs": Unimplemented("output logprobs are not returned by /v1/responses", (0,)),
+    "service_tier": Unimplemented("there is one service tier", ("auto", "default")),
+    "prompt_cache_key": SAMPLING["cache_salt"],
+    "prompt_cache_retention": Unimplemented("the prefix cache keeps what the engine's cache holds"),
+    "prompt_cache_options": Unimplemented("the prefix cache keeps what the engine's cache holds"),
+    "moderation": Unimplemented("moderation is not supported"),
+    "image": _NO_MULTIMODAL,
+    "access_programs": Unimplemented("OpenAI's access programs do not apply here"),
+    # vLLM's
+    "request_id": SAMPLING["request_id"],
+    "cache_salt": SAMPLING["cache_salt"],
+    "enable_response_messages": Unimplemented("the rendered messages are not returned", (False,)),
+    "previous_input_messages": Unimplemented(_NOT_STORED),
+    "mm_processor_kwargs": _NO_MULTIMODAL,
+}
+# /v1/responses `text` and `stream_options`.
+RESPONSES_TEXT: Mapping[str, Unimplemented] = {
+    "verbosity": Unimplemented("the model has no verbosity setting", ("medium",)),
+}
+RESPONSES_STREAM_OPTIONS: Mapping[str, Unimplemented] = {
+    "include_obfuscation": Unimplemented("stream events are not padded", (False,)),
+}
+
+
 def reject(body: Any, table: Mapping[str, Unimplemented], prefix: str = "") -> None:
     """ValueError for the first field of ``table`` that ``body`` (a raw request object) sets."""
     if isinstance(body, dict):
