@@ -199,13 +199,22 @@ class Frontend:
         turns: list[Turn],
         how: ChatRender = GENERATION_PROMPT,
         tokens: PromptTokens = CHAT_TOKENS,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The chat template rendered and checked like a prompt."""
+        """The chat template rendered (with the ``tools`` the model may call, for templates that
+        show them) and checked like a prompt."""
         size = sum(len(text) for _, text in turns)
-        return await self._off_loop(params.structured_outputs, size, self._chat_ids, params, turns, how, tokens)
+        return await self._off_loop(params.structured_outputs, size, self._chat_ids, params, turns, how, tokens, tools)
 
-    def _chat_ids(self, params: SamplingParams, turns: list[Turn], how: ChatRender, tokens: PromptTokens) -> list[int]:
-        text = render_chat(self.tokenizer, turns, how)
+    def _chat_ids(
+        self,
+        params: SamplingParams,
+        turns: list[Turn],
+        how: ChatRender,
+        tokens: PromptTokens,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        text = render_chat(self.tokenizer, turns, how, tools)
         if tokens.truncate_prompt_tokens is None:
             self.check_prompt_chars(text, "messages")
         (ids,) = self.check_request(params, [text], tokens=tokens)

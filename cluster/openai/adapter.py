@@ -32,6 +32,7 @@ from cluster.openai.protocol import (
     DetokenizeRequest,
     Echo,
     TokenizeChatRequest,
+    ToolDelta,
     after_echo,
     chat_choices,
     chat_chunk,
@@ -46,11 +47,15 @@ from cluster.openai.protocol import (
     echoed,
     new_id,
     now,
+    output_text,
     tokenize_request,
     tokenize_response,
     usage,
     usage_chunk,
 )
+from cluster.openai.shapes import DetokenizeResponse
+from cluster.openai.tool_parsers import load_tool_call_parser
+from cluster.openai.tools import ToolCalling, ToolCallStream
 from cluster.openai.wire import (
     StreamedJSONResponse,
     StrictJSONResponse,
@@ -75,6 +80,8 @@ STREAM_ABOVE_CHOICES = 64
 class HttpAdapter:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        # How tool_choice "auto" reads the model's text (config: tool_call_parser).
+        self.tool_parser = load_tool_call_parser(frontend.cfg.tool_call_parser)
 
     def error(self, exc: BaseException) -> JSONResponse:
         status = classify(exc)
@@ -280,16 +287,17 @@ class HttpAdapter:
         rid = new_id("chatcmpl")
         try:
             body = await self._parse(request, ChatCompletionRequest)
-            params = body.sampling_params()
+            tools = body.tool_calling(self.tool_parser, fe.cfg.tool_call_constrained)
+            params = body.sampling_params(tools)
             turns = [(m.role, m.text()) for m in body.messages]
-            ids = await fe.prepare_chat(params, turns, body.render, body.prompt_tokens)
+            ids = await fe.prepare_chat(params, turns, body.render, body.prompt_tokens, body.tools)
             sched = self._scheduling(request, rid, body)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
         top_n = body.top_logprobs or 0
         if body.stream:
             return StreamingResponse(
-                self._stream_chat(rid, ids, params, top_n, body, sched), media_type="text/event-stream"
+                self._stream_chat(rid, ids, params, top_n, body, tools, sched), media_type="text/event-stream"
             )
         try:
             out = await fe.run(rid, ids, params, sched)
@@ -297,7 +305,7 @@ class HttpAdapter:
             return self.error(exc)
         fe.count_ok("http", [out])
         token_ids = bool(body.return_token_ids)
-        args = (fe.decode_token, top_n, token_ids, body.forced_tool, body.include_stop_str_in_output)
+        args = (fe.decode_token, top_n, token_ids, tools, body.include_stop_str_in_output)
         if self._large(params, [ids]):
             head, choices = chat_head(rid, fe.model_name), chat_choices(out, *args)
             return StreamedJSONResponse(json_chunks(head, "choices", choices, lambda: chat_tail(out, token_ids)))
@@ -310,10 +318,12 @@ class HttpAdapter:
         params: SamplingParams,
         top_n: int,
         body: ChatCompletionRequest,
+        tools: ToolCalling | None = None,
         sched: Scheduling | None = None,
     ) -> AsyncIterator[str]:
         fe = self.frontend
         first: set[int] = set()
+        streams: dict[int, ToolCallStream] = {}  # per choice, with tools
         n_tokens, created, cached = 0, now(), 0
         try:
             async for delta in fe.stream_deltas(rid, ids, params, sched):
@@ -321,6 +331,14 @@ class HttpAdapter:
                     cached = delta.num_cached_tokens
                 for c in delta.outputs:
                     n_tokens += len(c.token_ids)
+                    tool_delta = None
+                    if tools is not None:
+                        stream = streams.setdefault(c.index, tools.stream())
+                        text = output_text(c, body.include_stop_str_in_output)
+                        content, calls = stream.feed(text, c.finish_reason is not None)
+                        tool_delta = ToolDelta(content, calls, tools.finish_reason(stream.called, c.finish_reason))
+                        if c.index in first and not (content or calls or c.finish_reason or c.token_ids):
+                            continue  # held back (a call's marker may be starting) and nothing else to say
                     yield sse(
                         chat_chunk(
                             rid,
@@ -333,6 +351,7 @@ class HttpAdapter:
                             created=created,
                             include_stop=body.include_stop_str_in_output,
                             prompt_token_ids=ids,
+                            tool_delta=tool_delta,
                         )
                     )
                     first.add(c.index)
@@ -397,7 +416,7 @@ class HttpAdapter:
             text = await self.frontend.detokenize(body.tokens)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
-        return StrictJSONResponse({"prompt": text})
+        return StrictJSONResponse(DetokenizeResponse(prompt=text))
 
     async def list_processors(self, request: Request) -> Response:
         if denied := self.denied(request):
