@@ -289,7 +289,7 @@ class HttpAdapter:
             body = await self._parse(request, ChatCompletionRequest)
             tools = body.tool_calling(self.tool_parser, fe.cfg.tool_call_constrained)
             params = body.sampling_params(tools)
-            turns = [(m.role, m.text()) for m in body.messages]
+            turns = [m.turn(self.tool_parser) for m in body.messages]
             ids = await fe.prepare_chat(params, turns, body.render, body.prompt_tokens, body.tools)
             sched = self._scheduling(request, rid, body)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
@@ -401,7 +401,7 @@ class HttpAdapter:
         try:
             body = tokenize_request(await self._parse_json(request))
             if isinstance(body, TokenizeChatRequest):
-                turns = [(m.role, m.text()) for m in body.messages]
+                turns = [m.turn(self.tool_parser) for m in body.messages]
                 ids = await fe.tokenize(turns, body.add_special_tokens, body.render)
             else:
                 ids = await fe.tokenize(body.prompt, body.add_special_tokens)

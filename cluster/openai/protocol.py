@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.chat import ChatRender, PromptTokens
+from cluster.chat import ChatRender, PromptTokens, Turn
 from cluster.openai import unimplemented
 from cluster.openai.shapes import (
     AssistantMessage,
@@ -234,10 +234,32 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]  # list[str] or list[list[int]], each item a prompt
 
 
+class MessageFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (an agent sends them back with the tools' results)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: MessageFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+
+    def turn(self, parser: ToolCallParser | None = None) -> Turn:
+        """(role, text) for the front end: an assistant turn's earlier calls written after its
+        text as the model writes them (``parser``'s format), so the next turn sees them."""
+        text = self.text()
+        for call in self.tool_calls or ():
+            text += (parser or _DEFAULT_PARSER).render_call(call.function.name, call.function.arguments)
+        return self.role, text
 
     def text(self) -> str:
         if self.content is None:
@@ -279,7 +301,7 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # one call is always a valid answer
+    parallel_tool_calls: bool | None = None  # false: at most one call (tool_choice auto; forced is one)
     # This server's extension: constrain tool_choice "auto" (cluster.openai.tools); None: the config's.
     tool_call_constrained: bool | None = None
 
@@ -288,7 +310,8 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         server's configured tool-call format and default for ``auto``. ValueError for bad tools."""
         if self.tool_call_constrained is not None:
             constrained = self.tool_call_constrained
-        return tool_calling(self.tools, self.tool_choice, parser or _DEFAULT_PARSER, constrained)
+        parallel = self.parallel_tool_calls is not False
+        return tool_calling(self.tools, self.tool_choice, parser or _DEFAULT_PARSER, constrained, parallel)
 
     def sampling_params(self, tools: ToolCalling | Literal["from_request"] | None = "from_request") -> SamplingParams:
         """``tools``: the request's ``tool_calling`` (computed here with the defaults unless given)."""

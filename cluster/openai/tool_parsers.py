@@ -74,6 +74,15 @@ class ToolCallParser(ABC):
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """The content and calls in ``text``; ``final``: no more text will come."""
 
+    def render_call(self, name: str, arguments: str) -> str:
+        """One call as the model writes it (an earlier turn's call, back in the prompt)."""
+        if self.call_format is None:
+            raise ValueError(
+                f"messages: tool_calls: the tool-call parser {self.name or type(self).__name__!r} "
+                "cannot write a call back into the prompt (it has no call_format)"
+            )
+        return self.call_format.begin.format(name=name) + arguments + self.call_format.end
+
 
 # -- reading JSON as it is generated -----------------------------------------------------------
 

@@ -28,6 +28,7 @@ from cluster.openai.structured import any_call_schema, tool_functions
 from cluster.openai.tool_parsers import (
     NamedToolParser,
     ParsedCall,
+    ParsedOutput,
     RequiredToolParser,
     ToolCallParser,
 )
@@ -45,11 +46,16 @@ def new_call_id() -> str:
 @dataclass(frozen=True)
 class ToolCalling:
     """How one request's output becomes tool calls: read by ``parser``, constrained by
-    ``constraint`` (None: unconstrained auto), ``named``: a forced function (finish as generated)."""
+    ``constraint`` (None: unconstrained auto), ``named``: a forced function (finish as generated);
+    ``parallel`` false (the request's ``parallel_tool_calls``): the first call only."""
 
     parser: ToolCallParser
     constraint: StructuredOutputsParams | None
     named: bool = False
+    parallel: bool = True
+
+    def calls(self, parsed: ParsedOutput) -> tuple[ParsedCall, ...]:
+        return parsed.calls if self.parallel else parsed.calls[:1]
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
         """``tool_calls`` once a call was made, except for a named function (as generated)."""
@@ -60,7 +66,7 @@ class ToolCalling:
     def message(self, text: str, reason: str | None) -> tuple[AssistantMessage, str | None]:
         """The assistant message and finish_reason of a whole output."""
         parsed = self.parser.parse(text, final=True)
-        calls = [] if parsed.malformed else [_call(c) for c in parsed.calls]
+        calls = [] if parsed.malformed else [_call(c) for c in self.calls(parsed)]
         if not calls or any(c is None for c in calls):
             return {"role": "assistant", "content": text}, reason
         tool_calls = [c for c in calls if c is not None]
@@ -68,7 +74,7 @@ class ToolCalling:
         return message, self.finish_reason(True, reason)
 
     def stream(self) -> ToolCallStream:
-        return ToolCallStream(self.parser)
+        return ToolCallStream(self)
 
 
 def _call(c: ParsedCall) -> ToolCall | None:
@@ -88,7 +94,7 @@ class ToolCallStream:
     adds (OpenAI's and vLLM's shape: a call's first delta carries id, type, name and arguments
     "", later ones argument text); the arguments sent add up to the call's arguments."""
 
-    parser: ToolCallParser
+    calling: ToolCalling
     text: str = ""
     _content_sent: int = 0
     _args_sent: list[int] = field(default_factory=list)
@@ -99,7 +105,7 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         self.text += delta
-        parsed = self.parser.parse(self.text, final)
+        parsed = self.calling.parser.parse(self.text, final)
         content = parsed.content
         if parsed.malformed:
             # Not a call after all: content, once known, unless a call was already sent.
@@ -109,7 +115,7 @@ class ToolCallStream:
         deltas: list[ToolCallDelta] = []
         if parsed.malformed:
             return out_content, deltas
-        for i, call in enumerate(parsed.calls):
+        for i, call in enumerate(self.calling.calls(parsed)):
             if i == len(self._args_sent):
                 if call.name is None:
                     break  # a call's name goes out whole, and calls in order
@@ -128,8 +134,10 @@ def tool_calling(
     tool_choice: str | dict[str, Any] | None,
     parser: ToolCallParser,
     constrained: bool,
+    parallel: bool = True,
 ) -> ToolCalling | None:
-    """What ``tool_choice`` asks of the output (None: text); ValueError naming the field."""
+    """What ``tool_choice`` asks of the output (None: text); ValueError naming the field.
+    ``parallel`` false: at most one call (the constraint ends after it)."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise ValueError("tool_choice: requires tools")
@@ -138,9 +146,8 @@ def tool_calling(
     if tool_choice == "none":
         return None
     if tool_choice is None or tool_choice == "auto":
-        if not constrained:
-            return ToolCalling(parser, None)
-        return ToolCalling(parser, _auto_constraint(parser, json.dumps(fns)))
+        constraint = _auto_constraint(parser, json.dumps(fns), parallel) if constrained else None
+        return ToolCalling(parser, constraint, parallel=parallel)
     if tool_choice == "required":
         return ToolCalling(RequiredToolParser(), StructuredOutputsParams(json=any_call_schema(fns), source="tools"))
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
@@ -152,22 +159,23 @@ def tool_calling(
     raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or a function, got {tool_choice!r}")
 
 
-def _auto_constraint(parser: ToolCallParser, functions: str) -> StructuredOutputsParams:
+def _auto_constraint(parser: ToolCallParser, functions: str, parallel: bool) -> StructuredOutputsParams:
     fmt = parser.call_format
     if fmt is None:
         raise ValueError(
             f"tool_call_constrained: the tool-call parser {parser.name or type(parser).__name__!r} "
             "does not say how a call is written (call_format); unset it or use another parser"
         )
-    grammar = _structural_grammar(fmt.trigger, fmt.begin, fmt.end, functions)
+    grammar = _structural_grammar(fmt.trigger, fmt.begin, fmt.end, functions, parallel)
     return StructuredOutputsParams(grammar=grammar, source="tools")
 
 
 @functools.lru_cache(maxsize=64)
-def _structural_grammar(trigger: str, begin: str, end: str, functions: str) -> str:
+def _structural_grammar(trigger: str, begin: str, end: str, functions: str, parallel: bool) -> str:
     """Free text, or after ``trigger`` a call of one of ``functions`` (name -> parameters
-    schema, as JSON) with schema-valid arguments, then free text again: xgrammar's structural
-    tag, as the EBNF it compiles to (one grammar constraint, compiled like any other)."""
+    schema, as JSON) with schema-valid arguments, then free text again (``parallel``) or the end:
+    xgrammar's structural tag, as the EBNF it compiles to (one grammar constraint, compiled like
+    any other)."""
     import xgrammar
 
     fns: dict[str, Any] = json.loads(functions)
@@ -189,7 +197,7 @@ def _structural_grammar(trigger: str, begin: str, end: str, functions: str) -> s
                 for name, params in fns.items()
             ],
             "at_least_one": False,
-            "stop_after_first": False,
+            "stop_after_first": not parallel,
         },
     }
     try:

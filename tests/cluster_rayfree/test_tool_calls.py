@@ -241,3 +241,47 @@ def test_the_config_default_is_the_registry_default() -> None:
     from cluster.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
     assert LogitpoolConfig().tool_call_parser == DEFAULT_TOOL_CALL_PARSER
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    text = _hermes("", [("forecast", '{"city": "Oslo"}'), ("noop", "{}")])
+    both = ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS}).tool_calling()
+    one = ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS, "parallel_tool_calls": False})
+    first = one.tool_calling()
+    assert both is not None and first is not None
+    assert len(both.message(text, "stop")[0].get("tool_calls", [])) == 2
+    (call,) = first.message(text, "stop")[0].get("tool_calls", [])
+    assert call["function"]["name"] == "forecast"
+    _, deltas = first.stream().feed(text, final=True)
+    assert {d["index"] for d in deltas} == {0}
+    constrained = one.model_copy(update={"tool_call_constrained": True}).tool_calling()
+    assert constrained is not None and constrained.constraint is not None
+    grammar = constrained.constraint.grammar or ""
+    call_text = '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
+    assert _accepts(grammar, "ok " + call_text) and not _accepts(grammar, "ok " + call_text + " more")
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_CALL_PARSERS))
+def test_an_earlier_turns_calls_go_back_into_the_prompt_as_the_model_writes_them(parser: str) -> None:
+    """An agent's history: the assistant's calls (content null) come back as the text the parser
+    reads as those calls, so the model sees what it called."""
+    p = load_tool_call_parser(parser)
+    call = {"type": "function", "id": "call_1", "function": {"name": "forecast", "arguments": '{"city": "Oslo"}'}}
+    body = {
+        "messages": [
+            *MSG,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "sunny"},
+        ],
+        "tools": TOOLS,
+    }
+    req = ChatCompletionRequest.model_validate(body)
+    turns = [m.turn(p) for m in req.messages]
+    assert turns[0] == ("user", "hi") and turns[2] == ("tool", "sunny")
+    role, text = turns[1]
+    parsed = p.parse(text, final=True)
+    assert role == "assistant" and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("forecast", {"city": "Oslo"})
+    ]
+    with pytest.raises(ValueError, match=r"messages: tool_calls: .* cannot write a call"):
+        req.messages[1].turn(_Reversed())
