@@ -337,7 +337,9 @@ class HttpAdapter:
                         text = output_text(c, body.include_stop_str_in_output)
                         content, calls = stream.feed(text, c.finish_reason is not None)
                         tool_delta = ToolDelta(content, calls, tools.finish_reason(stream.called, c.finish_reason))
-                        if c.index in first and not (content or calls or c.finish_reason or c.token_ids):
+                        if c.index in first and not (
+                            content or calls or c.finish_reason or c.logprobs or body.return_token_ids
+                        ):
                             continue  # held back (a call's marker may be starting) and nothing else to say
                     yield sse(
                         chat_chunk(
