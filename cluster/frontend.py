@@ -223,16 +223,24 @@ class Frontend:
     # -- tokenizer routes (vLLM's /tokenize and /detokenize) -------------------------------
 
     async def tokenize(
-        self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender = GENERATION_PROMPT
+        self,
+        prompt: str | list[Turn],
+        add_special_tokens: bool,
+        how: ChatRender = GENERATION_PROMPT,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """A text prompt's (or a rendered chat's) token ids, any length: the caller is measuring."""
+        """A text prompt's (or a rendered chat's, with its ``tools``) token ids, any length: the
+        caller is measuring."""
         size = len(prompt) if isinstance(prompt, str) else sum(len(text) for _, text in prompt)
-        return await self._off_loop(None, size, self._tokenize, prompt, add_special_tokens, how)
+        return await self._off_loop(None, size, self._tokenize, prompt, add_special_tokens, how, tools)
 
-    def _tokenize(self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender) -> list[int]:
+    def _tokenize(
+        self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender, tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         if isinstance(prompt, str):
             return self.validator.encode(prompt, add_special_tokens)
-        return self.validator.encode(render_chat(self.tokenizer, prompt, how), add_special_tokens, "messages")
+        text = render_chat(self.tokenizer, prompt, how, tools)
+        return self.validator.encode(text, add_special_tokens, "messages")
 
     async def detokenize(self, ids: list[int]) -> str:
         """Token ids (checked against the vocabulary) as text, special tokens kept (vLLM's)."""

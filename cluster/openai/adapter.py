@@ -404,7 +404,7 @@ class HttpAdapter:
             body = tokenize_request(await self._parse_json(request))
             if isinstance(body, TokenizeChatRequest):
                 turns = [m.turn(self.tool_parser) for m in body.messages]
-                ids = await fe.tokenize(turns, body.add_special_tokens, body.render)
+                ids = await fe.tokenize(turns, body.add_special_tokens, body.render, body.tools)
             else:
                 ids = await fe.tokenize(body.prompt, body.add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status

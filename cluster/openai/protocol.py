@@ -279,6 +279,9 @@ class _ChatPrompt(BaseModel):
     renders them (vLLM's fields) and no special tokens added on top by default."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # The functions the model may call: given to the chat template (as vLLM does) and, in chat,
+    # what tool_choice chooses among (cluster.openai.tools).
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -299,7 +302,6 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (tool_choice auto; forced is one)
     # This server's extension: constrain tool_choice "auto" (cluster.openai.tools); None: the config's.

@@ -355,3 +355,15 @@ def test_auto_tool_choice_streams_the_same_text_it_answers_whole(fe: Frontend) -
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == message.content
     assert all(ch.choices[0].delta.tool_calls is None for ch in chunks)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_the_tools_reach_the_chat_template_in_chat_and_tokenize(fe: Frontend) -> None:  # noqa: F811 - fixture
+    """As vLLM: a template that shows the tools gets them, and /tokenize counts the same prompt."""
+    fe.tokenizer.chat_template = "{% if tools %}[{{ tools[0]['function']['name'] }}]{% endif %}" + str(
+        fe.tokenizer.chat_template
+    )
+    expected = template_ids(fe, MSGS, tools=TOOLS)
+    assert expected != template_ids(fe, MSGS)
+    sdk(fe, lambda c: c.chat.completions.create(model=fe.model_name, messages=MSGS, max_tokens=2, tools=TOOLS))
+    assert seen_prompts() == [expected]
+    assert http(fe, "POST", "/tokenize", {"messages": MSGS, "tools": TOOLS}).json()["tokens"] == expected
