@@ -53,7 +53,7 @@ from cluster.openai.protocol import (
     usage,
     usage_chunk,
 )
-from cluster.openai.shapes import DetokenizeResponse
+from cluster.openai.shapes import DetokenizeResponse, ModelCard, ModelList
 from cluster.openai.tool_parsers import load_tool_call_parser
 from cluster.openai.tools import ToolCalling, ToolCallStream
 from cluster.openai.wire import (
@@ -369,7 +369,7 @@ class HttpAdapter:
 
     # -- the rest --------------------------------------------------------------------------
 
-    def _model_card(self) -> dict[str, object]:
+    def _model_card(self) -> ModelCard:
         fe = self.frontend
         return {
             "id": fe.model_name,
@@ -384,7 +384,7 @@ class HttpAdapter:
     async def models(self, request: Request) -> Response:
         if denied := self.denied(request):
             return denied
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse(ModelList(object="list", data=[self._model_card()]))
 
     async def model(self, request: Request, model: str) -> Response:
         """GET /v1/models/{model}: the served model's card; any other id is the 404 that a

@@ -201,6 +201,26 @@ class UsageChunk(ResponseHead):
     usage: Usage
 
 
+# -- models -------------------------------------------------------------------------------------
+
+
+class ModelCard(TypedDict):
+    """OpenAI's model object, with vLLM's ``root``, ``parent`` and ``max_model_len``."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
 # -- /tokenize and /detokenize (vLLM's) -------------------------------------------------------------
 
 

@@ -98,7 +98,17 @@ def test_streamed_deltas_add_up_to_the_whole_parse(
     output parses to: names first and whole, each call's id and name once, arguments in order."""
     parser = load_tool_call_parser(fmt.removesuffix("_v11"))
     text = FORMATS[fmt](content, calls)
-    stream = ToolCalling(parser, None).stream()
+    shown, names_seen, args = _reassembled(ToolCalling(parser, None), text, cuts)
+    expected = parser.parse(text, final=True)
+    assert shown == expected.content
+    assert [names_seen[i] for i in sorted(names_seen)] == [c.name for c in expected.calls]
+    assert [args[i] for i in sorted(args)] == [c.arguments for c in expected.calls]
+
+
+def _reassembled(calling: ToolCalling, text: str, cuts: list[int]) -> tuple[str, dict[int, str | None], dict[int, str]]:
+    """``text`` streamed in pieces cut at ``cuts``, put back together as a client does: the
+    content, and per call index its name and arguments; checks each delta's shape on the way."""
+    stream = calling.stream()
     points = sorted({min(c, len(text)) for c in cuts} | {len(text)})
     shown, names_seen, args = "", {}, {}
     prev = 0
@@ -115,10 +125,22 @@ def test_streamed_deltas_add_up_to_the_whole_parse(
             else:
                 assert i in names_seen and "name" not in fn and "type" not in d
                 args[i] += fn["arguments"]
-    expected = parser.parse(text, final=True)
-    assert shown == expected.content
-    assert [names_seen[i] for i in sorted(names_seen)] == [c.name for c in expected.calls]
-    assert [args[i] for i in sorted(args)] == [c.arguments for c in expected.calls]
+    return shown, names_seen, args
+
+
+@settings(max_examples=100, deadline=None)
+@given(name=names, args=arguments, named=st.booleans(), cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_forced_tool_streams_add_up_to_the_whole_answer(name: str, args: str, named: bool, cuts: list[int]) -> None:
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+    choice = {"type": "function", "function": {"name": name}} if named else "required"
+    calling = tool_calling(tools, choice, HermesToolParser(), False)
+    assert calling is not None
+    text = args if named else f'{{"name": {json.dumps(name)}, "arguments": {args}}}'
+    shown, names_seen, streamed = _reassembled(calling, text, cuts)
+    message, reason = calling.message(text, "stop")
+    (call,) = message.get("tool_calls", [])
+    assert shown == "" and names_seen == {0: name} and streamed == {0: call["function"]["arguments"]}
+    assert json.loads(streamed[0]) == json.loads(args) and reason == ("stop" if named else "tool_calls")
 
 
 @pytest.mark.parametrize("parser", sorted(TOOL_CALL_PARSERS))
