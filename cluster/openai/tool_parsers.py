@@ -64,10 +64,11 @@ class CallFormat:
 class ToolCallParser(ABC):
     """A tool-call format (see the module docstring). ``needs_special_tokens``: its markers are
     special tokens in the models that use it, so they must stay in the text (the request's
-    ``skip_special_tokens`` defaults to false when this parser reads it)."""
+    ``skip_special_tokens`` defaults to false when this parser reads it; the engine then also
+    keeps the end-of-sequence token's text at the end of a text answer, which vLLM drops)."""
 
     name: ClassVar[str] = ""
-    needs_special_tokens: ClassVar[bool] = True
+    needs_special_tokens: ClassVar[bool] = False
     call_format: ClassVar[CallFormat | None] = None
 
     @abstractmethod
@@ -262,7 +263,8 @@ class MarkedJsonToolParser(ToolCallParser):
 
 
 class HermesToolParser(MarkedJsonToolParser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or more."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or more (the tags are
+    ordinary added tokens in Qwen's and Hermes' tokenizers: special tokens stay skipped)."""
 
     name = "hermes"
     START = "<tool_call>"
@@ -274,6 +276,7 @@ class Llama3JsonToolParser(ToolCallParser):
     ``<|python_tag|>``, several separated by ``;``; text before the first is content."""
 
     name = "llama3_json"
+    needs_special_tokens = True  # <|python_tag|>
     PYTHON_TAG = "<|python_tag|>"
     OPENING = re.compile(r'\{\s*"name"\s*:')
     # What may still become OPENING at the end of the text.
@@ -315,6 +318,7 @@ class MistralToolParser(ToolCallParser):
     each call after its own ``[TOOL_CALLS]``."""
 
     name = "mistral"
+    needs_special_tokens = True  # [TOOL_CALLS], [ARGS]
     START, ARGS = "[TOOL_CALLS]", "[ARGS]"
     call_format = CallFormat(START, "[TOOL_CALLS]{name}[ARGS]", "")
 
@@ -373,7 +377,6 @@ class NamedToolParser(ToolCallParser):
     grammar allows nothing else), its name known from the start."""
 
     name = "named"
-    needs_special_tokens = False
 
     def __init__(self, function: str) -> None:
         self.function = function
@@ -386,7 +389,6 @@ class RequiredToolParser(ToolCallParser):
     """``tool_choice: "required"``: the output is one ``{"name": ..., "arguments": {...}}``."""
 
     name = "required"
-    needs_special_tokens = False
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         try:

@@ -195,7 +195,9 @@ def test_auto_is_the_default_with_tools_and_none_is_text() -> None:
     auto = req.tool_calling()
     assert auto is not None and auto.constraint is None and isinstance(auto.parser, HermesToolParser)
     params = req.sampling_params(auto)
-    assert params.structured_outputs is None and params.skip_special_tokens is False
+    assert params.structured_outputs is None and params.skip_special_tokens is True  # hermes' tags are not special
+    mistral = req.tool_calling(load_tool_call_parser("mistral"))
+    assert req.sampling_params(mistral).skip_special_tokens is False  # [TOOL_CALLS] is a control token
     assert (
         ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS, "tool_choice": "none"}).tool_calling()
         is None
