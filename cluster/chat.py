@@ -39,10 +39,16 @@ class ChatRender:
 GENERATION_PROMPT = ChatRender()
 
 
-def render_chat(tokenizer: Any, turns: Sequence[Turn], how: ChatRender = GENERATION_PROMPT) -> str:
+def render_chat(
+    tokenizer: Any,
+    turns: Sequence[Turn],
+    how: ChatRender = GENERATION_PROMPT,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """The tokenizer's chat template over ``turns``, as text: it holds every special token the
     template writes (a leading ``{{ bos_token }}`` included), so it is tokenized without adding
-    more (PromptTokens.add_special_tokens is false for chat, as vLLM)."""
+    more (PromptTokens.add_special_tokens is false for chat, as vLLM). ``tools``: the OpenAI
+    tool definitions, for templates that render them (as vLLM passes them)."""
     msgs = [{"role": role, "content": text} for role, text in turns]
     template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
     try:
@@ -52,6 +58,7 @@ def render_chat(tokenizer: Any, turns: Sequence[Turn], how: ChatRender = GENERAT
             add_generation_prompt=how.add_generation_prompt,
             continue_final_message=how.continue_final_message,
             chat_template=template,
+            tools=tools,
         )
     except ValueError as exc:  # transformers: e.g. the final message is not where it can be continued
         field = "continue_final_message" if how.continue_final_message else "messages"

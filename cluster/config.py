@@ -223,6 +223,27 @@ class LogitpoolConfig(_Frozen):
     route_prefix: str = "/"
     served_model_name: str | None = Field(default=None, min_length=1)
     """The `model` requests name and responses echo; None = the model's name (see `served_name`)."""
+    tool_call_parser: str = "hermes"
+    """How chat's tool_choice "auto" reads tool calls in the model's text: one of
+    cluster.openai.tool_parsers.TOOL_CALL_PARSERS (hermes, llama3_json, mistral) or a
+    `dotted.module:ClassName` ToolCallParser subclass."""
+    tool_call_constrained: bool = False
+    """Constrain tool_choice "auto": free text, or a tagged call with schema-valid arguments
+    (a request's `tool_call_constrained` overrides it)."""
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _tool_call_parser_name(cls, value: str) -> str:
+        # Imported here, not at the top: the serving core stays free of the HTTP wing until a
+        # config is built (the parsers module is standard library only).
+        from cluster.openai.tool_parsers import TOOL_CALL_PARSERS
+
+        if value not in TOOL_CALL_PARSERS and not _FQCN.match(value):
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)} or 'dotted.module:ClassName', "
+                f"got {value!r}"
+            )
+        return value
 
     @field_validator("api_key_env")
     @classmethod

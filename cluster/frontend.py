@@ -216,13 +216,22 @@ class Frontend:
         turns: list[Turn],
         how: ChatRender = GENERATION_PROMPT,
         tokens: PromptTokens = CHAT_TOKENS,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prepared:
-        """The chat template rendered and checked like a prompt (one prompt)."""
+        """The chat template rendered (with the ``tools`` the model may call, for templates that
+        show them) and checked like a prompt (one prompt)."""
         size = sum(len(text) for _, text in turns)
-        return await self._off_loop(params.structured_outputs, size, self._chat_ids, params, turns, how, tokens)
+        return await self._off_loop(params.structured_outputs, size, self._chat_ids, params, turns, how, tokens, tools)
 
-    def _chat_ids(self, params: SamplingParams, turns: list[Turn], how: ChatRender, tokens: PromptTokens) -> Prepared:
-        text = render_chat(self.tokenizer, turns, how)
+    def _chat_ids(
+        self,
+        params: SamplingParams,
+        turns: list[Turn],
+        how: ChatRender,
+        tokens: PromptTokens,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Prepared:
+        text = render_chat(self.tokenizer, turns, how, tools)
         if tokens.truncate_prompt_tokens is None:
             self.check_prompt_chars(text, "messages")
         return self.check_request(params, [text], tokens=tokens)
@@ -230,16 +239,24 @@ class Frontend:
     # -- tokenizer routes (vLLM's /tokenize and /detokenize) -------------------------------
 
     async def tokenize(
-        self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender = GENERATION_PROMPT
+        self,
+        prompt: str | list[Turn],
+        add_special_tokens: bool,
+        how: ChatRender = GENERATION_PROMPT,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """A text prompt's (or a rendered chat's) token ids, any length: the caller is measuring."""
+        """A text prompt's (or a rendered chat's, with its ``tools``) token ids, any length: the
+        caller is measuring."""
         size = len(prompt) if isinstance(prompt, str) else sum(len(text) for _, text in prompt)
-        return await self._off_loop(None, size, self._tokenize, prompt, add_special_tokens, how)
+        return await self._off_loop(None, size, self._tokenize, prompt, add_special_tokens, how, tools)
 
-    def _tokenize(self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender) -> list[int]:
+    def _tokenize(
+        self, prompt: str | list[Turn], add_special_tokens: bool, how: ChatRender, tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         if isinstance(prompt, str):
             return self.validator.encode(prompt, add_special_tokens)
-        return self.validator.encode(render_chat(self.tokenizer, prompt, how), add_special_tokens, "messages")
+        text = render_chat(self.tokenizer, prompt, how, tools)
+        return self.validator.encode(text, add_special_tokens, "messages")
 
     async def detokenize(self, ids: list[int]) -> str:
         """Token ids (checked against the vocabulary) as text, special tokens kept (vLLM's)."""

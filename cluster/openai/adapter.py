@@ -32,6 +32,7 @@ from cluster.openai.protocol import (
     DetokenizeRequest,
     Echo,
     TokenizeChatRequest,
+    ToolDelta,
     after_echo,
     chat_choices,
     chat_chunk,
@@ -46,6 +47,7 @@ from cluster.openai.protocol import (
     echoed,
     new_id,
     now,
+    output_text,
     tokenize_request,
     tokenize_response,
     usage,
@@ -60,7 +62,9 @@ from cluster.openai.responses import (
     responses_fields,
     sse_event,
 )
-from cluster.openai.structured import ForcedTool
+from cluster.openai.shapes import DetokenizeResponse, ModelCard, ModelList
+from cluster.openai.tool_parsers import load_tool_call_parser
+from cluster.openai.tools import ToolCalling, ToolCallStream
 from cluster.openai.wire import (
     StreamedJSONResponse,
     StrictJSONResponse,
@@ -85,6 +89,8 @@ STREAM_ABOVE_CHOICES = 64
 class HttpAdapter:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        # How tool_choice "auto" reads the model's text (config: tool_call_parser).
+        self.tool_parser = load_tool_call_parser(frontend.cfg.tool_call_parser)
 
     def error(self, exc: BaseException) -> JSONResponse:
         status = classify(exc)
@@ -296,7 +302,7 @@ class HttpAdapter:
         top_n = body.top_logprobs or 0
         if body.stream:
             return StreamingResponse(
-                self._stream_chat(rid, ids, params, top_n, body, sched), media_type="text/event-stream"
+                self._stream_chat(rid, ids, params, top_n, body, tools, sched), media_type="text/event-stream"
             )
         try:
             out = await fe.run(rid, ids, params, sched)
@@ -312,12 +318,13 @@ class HttpAdapter:
 
     async def _prepare_chat(
         self, request: Request, rid: str, body: ChatCompletionRequest
-    ) -> tuple[SamplingParams, list[int], Scheduling, ForcedTool | None]:
-        """A chat request's sampling params, prompt ids, scheduling and how its output becomes a
-        tool call (chat_choices' ``tool``): the one place for both chat and /v1/responses."""
-        tools = body.forced_tool
-        turns = [(m.role, m.text()) for m in body.messages]
-        ready = await self.frontend.prepare_chat(body.sampling_params(), turns, body.render, body.prompt_tokens)
+    ) -> tuple[SamplingParams, list[int], Scheduling, ToolCalling | None]:
+        """A chat request's sampling params, prompt ids, scheduling and how its output becomes
+        tool calls (chat_choices' ``tool``): the one place for both chat and /v1/responses."""
+        fe = self.frontend
+        tools = body.tool_calling(self.tool_parser, fe.cfg.tool_call_constrained)
+        turns = [m.turn(self.tool_parser) for m in body.messages]
+        ready = await fe.prepare_chat(body.sampling_params(tools), turns, body.render, body.prompt_tokens, body.tools)
         return ready.params, ready.ids, self._scheduling(request, rid, body), tools
 
     async def _stream_chat(
@@ -327,10 +334,12 @@ class HttpAdapter:
         params: SamplingParams,
         top_n: int,
         body: ChatCompletionRequest,
+        tools: ToolCalling | None = None,
         sched: Scheduling | None = None,
     ) -> AsyncIterator[str]:
         fe = self.frontend
         first: set[int] = set()
+        streams: dict[int, ToolCallStream] = {}  # per choice, with tools
         n_tokens, created, cached = 0, now(), 0
         try:
             async for delta in fe.stream_deltas(rid, ids, params, sched):
@@ -338,6 +347,16 @@ class HttpAdapter:
                     cached = delta.num_cached_tokens
                 for c in delta.outputs:
                     n_tokens += len(c.token_ids)
+                    tool_delta = None
+                    if tools is not None:
+                        stream = streams.setdefault(c.index, tools.stream())
+                        text = output_text(c, body.include_stop_str_in_output)
+                        content, calls = stream.feed(text, c.finish_reason is not None)
+                        tool_delta = ToolDelta(content, calls, tools.finish_reason(stream.called, c.finish_reason))
+                        if c.index in first and not (
+                            content or calls or c.finish_reason or c.logprobs or body.return_token_ids
+                        ):
+                            continue  # held back (a call's marker may be starting) and nothing else to say
                     yield sse(
                         chat_chunk(
                             rid,
@@ -350,6 +369,7 @@ class HttpAdapter:
                             created=created,
                             include_stop=body.include_stop_str_in_output,
                             prompt_token_ids=ids,
+                            tool_delta=tool_delta,
                         )
                     )
                     first.add(c.index)
@@ -385,7 +405,7 @@ class HttpAdapter:
         fe.count_ok("http", [out])
         return StrictJSONResponse(finished(head, self._chat_choice(out, tools), out).model_dump(mode="json"))
 
-    def _chat_choice(self, out: RequestOutput, tools: ForcedTool | None) -> Mapping[str, Any]:
+    def _chat_choice(self, out: RequestOutput, tools: ToolCalling | None) -> Mapping[str, Any]:
         """Chat's answer for ``out``: its one choice, the tool call parsed as chat parses it."""
         return next(chat_choices(out, self.frontend.decode_token, 0, tool=tools))
 
@@ -394,7 +414,7 @@ class HttpAdapter:
         head: ResponseObject,
         ids: list[int],
         params: SamplingParams,
-        tools: ForcedTool | None,
+        tools: ToolCalling | None,
         live: bool,
         sched: Scheduling,
     ) -> AsyncIterator[str]:
@@ -434,7 +454,7 @@ class HttpAdapter:
 
     # -- the rest --------------------------------------------------------------------------
 
-    def _model_card(self) -> dict[str, object]:
+    def _model_card(self) -> ModelCard:
         fe = self.frontend
         return {
             "id": fe.model_name,
@@ -449,7 +469,7 @@ class HttpAdapter:
     async def models(self, request: Request) -> Response:
         if denied := self.denied(request):
             return denied
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse(ModelList(object="list", data=[self._model_card()]))
 
     async def model(self, request: Request, model: str) -> Response:
         """GET /v1/models/{model}: the served model's card; any other id is the 404 that a
@@ -468,8 +488,8 @@ class HttpAdapter:
         try:
             body = tokenize_request(await self._parse_json(request))
             if isinstance(body, TokenizeChatRequest):
-                turns = [(m.role, m.text()) for m in body.messages]
-                ids = await fe.tokenize(turns, body.add_special_tokens, body.render)
+                turns = [m.turn(self.tool_parser) for m in body.messages]
+                ids = await fe.tokenize(turns, body.add_special_tokens, body.render, body.tools)
             else:
                 ids = await fe.tokenize(body.prompt, body.add_special_tokens)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
@@ -483,7 +503,7 @@ class HttpAdapter:
             text = await self.frontend.detokenize(body.tokens)
         except Exception as exc:  # noqa: BLE001 - classify() maps every failure to its HTTP status
             return self.error(exc)
-        return StrictJSONResponse({"prompt": text})
+        return StrictJSONResponse(DetokenizeResponse(prompt=text))
 
     async def list_processors(self, request: Request) -> Response:
         if denied := self.denied(request):

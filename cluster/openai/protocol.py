@@ -11,20 +11,40 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.chat import ChatRender, PromptTokens
+from cluster.chat import ChatRender, PromptTokens, Turn
 from cluster.openai import unimplemented
-from cluster.openai.structured import (
-    ForcedTool,
-    forced_tool,
-    structured_from_fields,
-    tool_call_message,
+from cluster.openai.shapes import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunk,
+    ChatChunkChoice,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponse,
+    ChatTail,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ObjectName,
+    PromptLogprobs,
+    ResponseHead,
+    TokenizeResponse,
+    ToolCallDelta,
+    Usage,
+    UsageChunk,
 )
+from cluster.openai.structured import structured_from_fields
+from cluster.openai.tool_parsers import DEFAULT_TOOL_CALL_PARSER, ToolCallParser, load_tool_call_parser
+from cluster.openai.tools import ToolCalling, tool_calling
 from cluster.openai.unimplemented import Unimplemented
 from worker.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from worker.sampling_params import INT64_MAX, SamplingParams
@@ -214,10 +234,32 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]  # list[str] or list[list[int]], each item a prompt
 
 
+class MessageFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (an agent sends them back with the tools' results)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: MessageFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+
+    def turn(self, parser: ToolCallParser | None = None) -> Turn:
+        """(role, text) for the front end: an assistant turn's earlier calls written after its
+        text as the model writes them (``parser``'s format), so the next turn sees them."""
+        text = self.text()
+        for call in self.tool_calls or ():
+            text += (parser or _DEFAULT_PARSER).render_call(call.function.name, call.function.arguments)
+        return self.role, text
 
     def text(self) -> str:
         if self.content is None:
@@ -237,6 +279,9 @@ class _ChatPrompt(BaseModel):
     renders them (vLLM's fields) and no special tokens added on top by default."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # The functions the model may call: given to the chat template (as vLLM does) and, in chat,
+    # what tool_choice chooses among (cluster.openai.tools).
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -247,6 +292,9 @@ class _ChatPrompt(BaseModel):
         return ChatRender(self.add_generation_prompt, self.continue_final_message)
 
 
+_DEFAULT_PARSER = load_tool_call_parser(DEFAULT_TOOL_CALL_PARSER)
+
+
 class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     unimplemented_fields = unimplemented.CHAT
 
@@ -254,24 +302,29 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # one call is always a valid answer
+    parallel_tool_calls: bool | None = None  # false: at most one call (tool_choice auto; forced is one)
+    # This server's extension: constrain tool_choice "auto" (cluster.openai.tools); None: the config's.
+    tool_call_constrained: bool | None = None
 
-    @property
-    def forced_tool(self) -> ForcedTool | None:
-        """The tool call ``tool_choice`` forces (ValueError for 'auto' and bad tools)."""
-        return forced_tool(self.tools, self.tool_choice)
+    def tool_calling(self, parser: ToolCallParser | None = None, constrained: bool = False) -> ToolCalling | None:
+        """How the output becomes tool calls (None: text); ``parser`` and ``constrained``: the
+        server's configured tool-call format and default for ``auto``. ValueError for bad tools."""
+        if self.tool_call_constrained is not None:
+            constrained = self.tool_call_constrained
+        parallel = self.parallel_tool_calls is not False
+        return tool_calling(self.tools, self.tool_choice, parser or _DEFAULT_PARSER, constrained, parallel)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tools: ToolCalling | Literal["from_request"] | None = "from_request") -> SamplingParams:
+        """``tools``: the request's ``tool_calling`` (computed here with the defaults unless given)."""
         kw = self._sampling_kwargs()
-        tool = self.forced_tool
-        if tool is not None:
+        tool = self.tool_calling() if tools == "from_request" else tools
+        if tool is not None and tool.constraint is not None:
             if "structured_outputs" in kw:
                 raise ValueError("tool_choice: cannot be combined with another output constraint")
-            if self.stream:
-                raise ValueError("stream: streaming tool calls is not implemented; set stream=false")
             kw["structured_outputs"] = tool.constraint
+        if tool is not None and tool.parser.needs_special_tokens and self.skip_special_tokens is None:
+            kw["skip_special_tokens"] = False  # the format's markers are special tokens in its models
         # Neither given: up to the remaining context (vLLM), cut to it by fit_to_context.
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise ValueError(f"max_completion_tokens: must be an integer >= 1, got {self.max_completion_tokens}")
@@ -284,7 +337,10 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         return SamplingParams(**kw)
 
 
-# -- responses -----------------------------------------------------------------------------
+# -- responses (typed: cluster.openai.shapes) -------------------------------------------------
+
+# One token's text (the front end's decode_token): how logprobs name tokens.
+Decode = Callable[[int], str]
 
 
 def new_id(prefix: str) -> str:
@@ -296,7 +352,7 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
@@ -311,12 +367,15 @@ def cached_tokens(outs: Sequence[RequestOutput]) -> int:
     return sum(out.num_cached_tokens or 0 for out in outs)
 
 
-def completion_logprobs(c: CompletionOutput, decode: Any, text_offset: int = 0) -> dict[str, Any] | None:
+def completion_logprobs(c: CompletionOutput, decode: Decode, text_offset: int = 0) -> CompletionLogprobs | None:
     """OpenAI's legacy completions logprobs object; offsets count from ``text_offset`` (the
     length of the text already sent for this choice, when streaming)."""
     if c.logprobs is None:
         return None
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     positions: Sequence[PositionLogprobs | None] = c.logprobs
     for tok, position in zip(c.token_ids, positions):  # None: an echoed prompt's first token
         text = decode(tok)
@@ -366,7 +425,7 @@ def after_echo(c: CompletionOutput, e: Echo) -> CompletionOutput:
     return CompletionOutput(c.index, "", [], None, None if c.logprobs is None else [], finish, None, c.error)
 
 
-def prompt_logprobs_json(plp: Sequence[PositionLogprobs | None] | None) -> list[dict[str, Any] | None] | None:
+def prompt_logprobs_json(plp: Sequence[PositionLogprobs | None] | None) -> PromptLogprobs | None:
     """vLLM's `prompt_logprobs` field: per prompt token, None or {token id: {logprob, rank, decoded_token}}."""
     if plp is None:
         return None
@@ -381,10 +440,10 @@ def prompt_logprobs_json(plp: Sequence[PositionLogprobs | None] | None) -> list[
     ]
 
 
-def chat_logprobs(c: CompletionOutput, decode: Any, top_n: int) -> dict[str, Any] | None:
+def chat_logprobs(c: CompletionOutput, decode: Decode, top_n: int) -> ChatLogprobs | None:
     if c.logprobs is None:
         return None
-    content = []
+    content: list[ChatTokenLogprob] = []
     for tok, position in zip(c.token_ids, c.logprobs):
         text = decode(tok)
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
@@ -408,17 +467,7 @@ def output_text(c: CompletionOutput, include_stop: bool) -> str:
     return c.text
 
 
-def _choice(fields: dict[str, Any], c: CompletionOutput, token_ids: list[int] | None) -> dict[str, Any]:
-    """Fields every choice (and chunk choice) ends with: finish and stop reason, and the
-    generated token ids when asked for (``return_token_ids``)."""
-    fields["finish_reason"] = c.finish_reason
-    fields["stop_reason"] = c.stop_reason
-    if token_ids is not None:
-        fields["token_ids"] = list(token_ids)
-    return fields
-
-
-def completion_usage(outs: Sequence[RequestOutput], echoes: Sequence[Echo] | None = None) -> dict[str, Any]:
+def completion_usage(outs: Sequence[RequestOutput], echoes: Sequence[Echo] | None = None) -> Usage:
     prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
     completion_tokens = sum(
         len(c.token_ids) for i, out in enumerate(outs) for c in out.outputs if echoes is None or not echoes[i].only
@@ -428,11 +477,11 @@ def completion_usage(outs: Sequence[RequestOutput], echoes: Sequence[Echo] | Non
 
 def completion_choices(
     outs: Sequence[RequestOutput],
-    decode: Any,
+    decode: Decode,
     token_ids: bool = False,
     include_stop: bool = False,
     echoes: Sequence[Echo] | None = None,
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[CompletionChoice]:
     """The choices of a completions response, one at a time (a large response is written as they
     come, cluster.openai.wire.json_chunks). A prompt's `prompt_logprobs` are converted once and the
     same list is every one of its choices' (the JSON repeats them per choice, as vLLM's). vLLM's
@@ -443,35 +492,36 @@ def completion_choices(
         only = echoes is not None and echoes[i].only
         for c in out.outputs:
             shown = c if echoes is None else echoed(c, echoes[i])
-            choice = _choice(
-                {
-                    "index": i * len(out.outputs) + c.index,
-                    "text": output_text(shown, include_stop),
-                    "logprobs": completion_logprobs(shown, decode),
-                },
-                shown,
-                ([] if only else c.token_ids) if token_ids else None,
-            )
-            choice.setdefault("token_ids", None)
-            choice["prompt_logprobs"] = plp
-            choice["prompt_token_ids"] = list(out.prompt_token_ids) if token_ids else None
-            yield choice
+            yield {
+                "index": i * len(out.outputs) + c.index,
+                "text": output_text(shown, include_stop),
+                "logprobs": completion_logprobs(shown, decode),
+                "finish_reason": shown.finish_reason,
+                "stop_reason": shown.stop_reason,
+                "token_ids": ([] if only else list(c.token_ids)) if token_ids else None,
+                "prompt_logprobs": plp,
+                "prompt_token_ids": list(out.prompt_token_ids) if token_ids else None,
+            }
 
 
-def completion_head(rid: str, model: str) -> dict[str, Any]:
+def _head(rid: str, obj: ObjectName, model: str, created: int | None = None) -> ResponseHead:
+    return {"id": rid, "object": obj, "created": now() if created is None else created, "model": model}
+
+
+def completion_head(rid: str, model: str) -> ResponseHead:
     """A completions response's fields before `choices` (and `usage`, after them)."""
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model}
+    return _head(rid, "text_completion", model)
 
 
 def completion_response(
     rid: str,
     model: str,
     outs: list[RequestOutput],
-    decode: Any,
+    decode: Decode,
     token_ids: bool = False,
     include_stop: bool = False,
     echoes: Sequence[Echo] | None = None,
-) -> dict[str, Any]:
+) -> CompletionResponse:
     """``echoes``: per prompt, what `echo` puts in front of each of its choices."""
     return {
         **completion_head(rid, model),
@@ -481,40 +531,39 @@ def completion_response(
 
 
 def _chat_choice(
-    c: CompletionOutput, decode: Any, top_n: int, tool: ForcedTool | None, include_stop: bool
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": output_text(c, include_stop)}
+    c: CompletionOutput, decode: Decode, top_n: int, tool: ToolCalling | None, include_stop: bool, token_ids: bool
+) -> ChatChoice:
+    message: AssistantMessage = {"role": "assistant", "content": output_text(c, include_stop)}
     reason = c.finish_reason
     if tool is not None:
-        message, reason = tool_call_message(tool, c.text, reason)
+        message, reason = tool.message(message["content"] or "", reason)
     return {
         "index": c.index,
         "message": message,
         "logprobs": chat_logprobs(c, decode, top_n),
         "finish_reason": reason,
         "stop_reason": c.stop_reason,
+        "token_ids": list(c.token_ids) if token_ids else None,  # vLLM's shape: null unless asked
     }
 
 
 def chat_choices(
     out: RequestOutput,
-    decode: Any,
+    decode: Decode,
     top_n: int,
     token_ids: bool = False,
-    tool: ForcedTool | None = None,
+    tool: ToolCalling | None = None,
     include_stop: bool = False,
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[ChatChoice]:
     for c in out.outputs:
-        choice = _chat_choice(c, decode, top_n, tool, include_stop)
-        choice["token_ids"] = list(c.token_ids) if token_ids else None  # vLLM's shape: null unless asked
-        yield choice
+        yield _chat_choice(c, decode, top_n, tool, include_stop, token_ids)
 
 
-def chat_head(rid: str, model: str) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": model}
+def chat_head(rid: str, model: str) -> ResponseHead:
+    return _head(rid, "chat.completion", model)
 
 
-def chat_tail(out: RequestOutput, token_ids: bool = False) -> dict[str, Any]:
+def chat_tail(out: RequestOutput, token_ids: bool = False) -> ChatTail:
     """A chat response's fields after `choices`: usage, and (vLLM's, null unless asked for) the
     prompt's logprobs and token ids, once."""
     n_out = sum(len(c.token_ids) for c in out.outputs)
@@ -529,12 +578,12 @@ def chat_response(
     rid: str,
     model: str,
     out: RequestOutput,
-    decode: Any,
+    decode: Decode,
     top_n: int,
     token_ids: bool = False,
-    tool: ForcedTool | None = None,
+    tool: ToolCalling | None = None,
     include_stop: bool = False,
-) -> dict[str, Any]:
+) -> ChatResponse:
     return {
         **chat_head(rid, model),
         "choices": list(chat_choices(out, decode, top_n, token_ids, tool, include_stop)),
@@ -546,7 +595,7 @@ def completion_chunk(
     rid: str,
     model: str,
     c: CompletionOutput,
-    decode: Any,
+    decode: Decode,
     index_base: int = 0,
     token_ids: list[int] | None = None,
     *,
@@ -554,28 +603,38 @@ def completion_chunk(
     text_offset: int = 0,
     include_stop: bool = False,
     prompt_token_ids: list[int] | None = None,
-) -> dict[str, Any]:
+) -> CompletionChunk:
     """One stream chunk; ``token_ids``: the generated ids it adds, ``prompt_token_ids``: the
     prompt's, in a choice's first chunk (both when return_token_ids asks)."""
-    choice = _choice(
-        {
-            "index": index_base + c.index,
-            "text": output_text(c, include_stop),
-            "logprobs": completion_logprobs(c, decode, text_offset),
-        },
-        c,
-        token_ids,
-    )
+    choice: CompletionChunkChoice = {
+        "index": index_base + c.index,
+        "text": output_text(c, include_stop),
+        "logprobs": completion_logprobs(c, decode, text_offset),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
     if prompt_token_ids is not None:
         choice["prompt_token_ids"] = list(prompt_token_ids)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    return {**_head(rid, "text_completion", model, created), "choices": [choice]}
+
+
+@dataclass(frozen=True)
+class ToolDelta:
+    """What a choice's ToolCallStream made of one output delta: content, tool-call deltas, and
+    the finish_reason as the tools decide it."""
+
+    content: str
+    calls: list[ToolCallDelta]
+    finish_reason: str | None
 
 
 def chat_chunk(
     rid: str,
     model: str,
     c: CompletionOutput,
-    decode: Any,
+    decode: Decode,
     top_n: int,
     first: bool,
     token_ids: bool = False,
@@ -583,38 +642,39 @@ def chat_chunk(
     created: int,
     include_stop: bool = False,
     prompt_token_ids: list[int] | None = None,
-) -> dict[str, Any]:
+    tool_delta: ToolDelta | None = None,
+) -> ChatChunk:
     """One stream chunk; with ``token_ids`` the ids it adds, and in a choice's ``first`` chunk
-    the prompt's ``prompt_token_ids`` at the top (vLLM's)."""
-    delta: dict[str, Any] = {"content": output_text(c, include_stop)}
+    the prompt's ``prompt_token_ids`` at the top (vLLM's). ``tool_delta``: with tools, what the
+    choice's ToolCallStream made of it."""
+    delta: ChatDelta = {"content": output_text(c, include_stop)}
+    reason = c.finish_reason
+    if tool_delta is not None:
+        delta = {"content": tool_delta.content} if tool_delta.content or not tool_delta.calls else {}
+        if tool_delta.calls:
+            delta["tool_calls"] = tool_delta.calls
+        reason = tool_delta.finish_reason
     if first:
         delta["role"] = "assistant"
-    chunk = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            _choice(
-                {
-                    "index": c.index,
-                    "delta": delta,
-                    "logprobs": chat_logprobs(c, decode, top_n),
-                },
-                c,
-                c.token_ids if token_ids else None,
-            )
-        ],
+    choice: ChatChunkChoice = {
+        "index": c.index,
+        "delta": delta,
+        "logprobs": chat_logprobs(c, decode, top_n),
+        "finish_reason": reason,
+        "stop_reason": c.stop_reason,
     }
+    if token_ids:
+        choice["token_ids"] = list(c.token_ids)
+    chunk: ChatChunk = {**_head(rid, "chat.completion.chunk", model, created), "choices": [choice]}
     if first and token_ids and prompt_token_ids is not None:
         chunk["prompt_token_ids"] = list(prompt_token_ids)
     return chunk
 
 
 def usage_chunk(
-    rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: dict[str, Any], *, created: int
-) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u}
+    rid: str, model: str, obj: Literal["text_completion", "chat.completion.chunk"], u: Usage, *, created: int
+) -> UsageChunk:
+    return {**_head(rid, obj, model, created), "choices": [], "usage": u}
 
 
 # -- /tokenize and /detokenize (vLLM's shapes) ---------------------------------------------
@@ -643,6 +703,6 @@ class DetokenizeRequest(_Refusing):
     tokens: list[int]
 
 
-def tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None) -> dict[str, Any]:
+def tokenize_response(ids: list[int], max_model_len: int, token_strs: list[str] | None) -> TokenizeResponse:
     """vLLM's TokenizeResponse."""
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}

@@ -2,18 +2,14 @@
 
 One constraint per request, from exactly one of: OpenAI ``response_format`` (``json_object`` or
 ``json_schema``), vLLM's ``structured_outputs`` object, the older ``guided_json`` /
-``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or (chat) ``tools`` with
-``tool_choice`` ``"required"`` or naming a function. What the server does not implement is a
-ValueError naming the field (HTTP 400), never silently ignored: ``tool_choice: "auto"`` (the
-server never decides on its own whether to call a tool), streaming tool calls, and the fields in
-cluster.openai.unimplemented.
+``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or (chat) the tools' constraint
+(cluster.openai.tools, which uses the tool schemas built here). What the server does not
+implement is a ValueError naming the field (HTTP 400), never silently ignored (the fields in
+cluster.openai.unimplemented).
 """
 
 from __future__ import annotations
 
-import json
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from worker.structured_outputs import StructuredOutputsParams
@@ -61,16 +57,7 @@ def structured_from_fields(
 # -- tools -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ForcedTool:
-    """How the output becomes a tool call: ``name`` set = that function's arguments; else
-    ``{"name": ..., "arguments": {...}}`` for one of the tools (``tool_choice: "required"``)."""
-
-    name: str | None
-    constraint: StructuredOutputsParams
-
-
-def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def tool_functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -86,31 +73,7 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def forced_tool(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ForcedTool | None:
-    """The tool call ``tool_choice`` forces, None when no tool is to be called."""
-    if not tools:
-        if tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: requires tools")
-        return None
-    fns = _functions(tools)
-    if tool_choice == "none":
-        return None
-    if tool_choice is None or tool_choice == "auto":
-        raise ValueError(
-            "tool_choice: 'auto' (the default with tools) is not implemented: the server never decides on "
-            "its own whether to call a tool; give 'required', 'none' or {'type': 'function', 'function': {'name': ...}}"
-        )
-    if tool_choice == "required":
-        return ForcedTool(None, StructuredOutputsParams(json=_any_call(fns), source="tools"))
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
-        if name not in fns:
-            raise ValueError(f"tool_choice.function.name: {name!r} is not one of the tools ({', '.join(fns)})")
-        return ForcedTool(name, StructuredOutputsParams(json=fns[name], source=f"tools[{name}].function.parameters"))
-    raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or a function, got {tool_choice!r}")
-
-
-def _any_call(fns: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def any_call_schema(fns: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One schema for ``{"name": ..., "arguments": ...}`` of any of the tools. A tool whose
     parameters hold local references (``$ref: "#/$defs/X"``, relative to its own schema) is
     moved under the combined schema's ``$defs`` with its references rebased there, so they
@@ -184,28 +147,3 @@ def _resolve(root: dict[str, Any], ref: str, where: str) -> None:
         if not (isinstance(target, dict) and isinstance(target.get("$ref"), str) and len(target) == 1):
             return
         ref = target["$ref"]
-
-
-def tool_call_message(tool: ForcedTool, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message and finish_reason for a forced tool call.
-
-    Named function: ``finish_reason`` stays as generated (``stop``), as OpenAI answers a forced
-    function. ``required``: ``tool_calls``. Output cut by ``length`` that does not parse stays
-    plain content with ``length``.
-    """
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return {"role": "assistant", "content": text}, finish_reason
-    if tool.name is not None:
-        name, arguments = tool.name, text
-        reason = finish_reason
-    else:
-        name, arguments = parsed["name"], json.dumps(parsed["arguments"])
-        reason = "tool_calls"
-    call = {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
-    return {"role": "assistant", "content": None, "tool_calls": [call]}, reason

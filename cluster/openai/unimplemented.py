@@ -90,7 +90,6 @@ TOKENIZE_CHAT: Mapping[str, Unimplemented] = {
     "chat_template_kwargs": CHAT["chat_template_kwargs"],
     "media_io_kwargs": _NO_MULTIMODAL,
     "mm_processor_kwargs": _NO_MULTIMODAL,
-    "tools": Unimplemented("the chat template gets no tools"),
 }
 
 # stream_options (vLLM's StreamOptions).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -15,7 +15,7 @@ from cluster.errors import Status, error_body
 _FLOOR = 9999.0
 
 
-def _finite(obj: Any) -> Any:
+def _finite(obj: object) -> object:
     if isinstance(obj, float) and not math.isfinite(obj):
         return None if math.isnan(obj) else math.copysign(_FLOOR, obj)
     if isinstance(obj, dict):
@@ -25,7 +25,7 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def dumps(obj: Any) -> str:
+def dumps(obj: object) -> str:
     """Strict JSON: never NaN/Infinity (those are not JSON); a non-finite float is mapped first."""
     try:
         return json.dumps(obj, allow_nan=False, separators=(",", ":"))
@@ -43,10 +43,10 @@ CHUNK_BYTES = 1 << 16
 
 
 def json_chunks(
-    head: dict[str, Any],
+    head: Mapping[str, object],
     key: str,
-    items: Iterable[Any],
-    tail: Callable[[], dict[str, Any]],
+    items: Iterable[object],
+    tail: Callable[[], Mapping[str, object]],
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[bytes]:
     """``dumps({**head, key: list(items), **tail()})`` as UTF-8, in pieces of about chunk_bytes,
@@ -75,7 +75,7 @@ class StreamedJSONResponse(StreamingResponse):
         super().__init__(chunks, media_type="application/json")
 
 
-def sse(obj: Any) -> str:
+def sse(obj: object) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 

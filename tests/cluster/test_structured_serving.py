@@ -21,6 +21,31 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 APP = "structured"
 MODEL = "tiny"  # the served model name requests must use
 MSG = [{"role": "user", "content": "judge this"}]
+# Tool choice "auto" reads calls written as `@{"name": ..., "arguments": ...}` (a plug-in loaded by
+# class path): a logit bias on "@" makes the random model call a tool.
+AT_SIGN_PARSER = "tests.fixtures.tool_parsers:AtSignToolParser"
+FORECAST = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "forecast", "parameters": FORECAST}},
+    {
+        "type": "function",
+        "function": {
+            "name": "alarm",
+            "parameters": {
+                "type": "object",
+                "properties": {"at": {"type": "integer", "minimum": 0, "maximum": 23}},
+                "required": ["at"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 class Verdict(BaseModel):
@@ -42,6 +67,7 @@ def serving(serve_ports, tiny_model_dir):
             "server": {"http_port": serve_ports[0], "grpc_port": serve_ports[1]},
             "app_name": APP,
             "served_model_name": MODEL,
+            "tool_call_parser": AT_SIGN_PARSER,
         }
     )
     deploy(cfg)
@@ -75,8 +101,115 @@ def test_named_tool_call(oai):
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "forecast" and r.choices[0].message.content is None
     jsonschema.validate(json.loads(call.function.arguments), params)
-    with pytest.raises(openai.BadRequestError, match="tool_choice: 'auto'"):
-        oai.chat.completions.create(model=MODEL, messages=MSG, tools=tools, max_tokens=8)
+
+
+def _streamed(chunks) -> tuple[str, dict[int, dict], str | None, list]:
+    """A chat stream reassembled as a client does: content, calls by index, finish_reason, and
+    every tool-call delta (to check the first carries id, type and name)."""
+    content, calls, finish, deltas = "", {}, None, []
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            deltas.append(d)
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            call["arguments"] += d.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish, deltas
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "finish"),
+    [({"type": "function", "function": {"name": "forecast"}}, "stop"), ("required", "tool_calls")],
+)
+def test_streamed_tool_calls_reassemble_to_schema_valid_arguments(oai, tool_choice, finish):
+    for seed in range(3):
+        chunks = oai.chat.completions.create(
+            model=MODEL, messages=MSG, tools=TOOLS, tool_choice=tool_choice, max_tokens=64, seed=seed, stream=True
+        )
+        content, calls, reason, deltas = _streamed(chunks)
+        assert content == "" and reason == finish and list(calls) == [0]
+        first = deltas[0]
+        assert first.id.startswith("call_") and first.type == "function" and first.function.arguments == ""
+        assert all(d.id is None and d.function.name is None for d in deltas[1:])
+        call = calls[0]
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        # the same request whole: the same call (same seed), finish_reason as streamed
+        whole = oai.chat.completions.create(
+            model=MODEL, messages=MSG, tools=TOOLS, tool_choice=tool_choice, max_tokens=64, seed=seed
+        ).choices[0]
+        (tc,) = whole.message.tool_calls
+        assert whole.finish_reason == finish and tc.function.name == call["name"]
+        assert json.loads(tc.function.arguments) == json.loads(call["arguments"])
+
+
+def _at_token(oai) -> int:
+    import httpx
+
+    r = httpx.post(
+        str(oai.base_url).removesuffix("/v1/") + "/tokenize", json={"prompt": "@", "add_special_tokens": False}
+    )
+    (token,) = r.json()["tokens"]
+    return token
+
+
+def _check_text_or_calls(message, reason) -> bool:
+    """Either text (no calls) or calls each valid for its tool's schema; True for calls."""
+    if not message.tool_calls:
+        assert reason in ("stop", "length") and isinstance(message.content, str)
+        return False
+    assert reason == "tool_calls"
+    for tc in message.tool_calls:
+        jsonschema.validate(json.loads(tc.function.arguments), SCHEMAS[tc.function.name])
+    return True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_answers_text_or_a_schema_valid_call(oai, stream):
+    """tool_choice "auto" (the default with tools), constrained: with the call's opening biased
+    the model calls; without, it writes text (or calls); every answer is one or the other."""
+    bias = {str(_at_token(oai)): 100}
+    called = 0
+    for seed in range(4):
+        for logit_bias in (bias, None):
+            kw = dict(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=96, seed=seed, stop=["}}"])
+            # The bias would open call after call: the first call's end ("}}": the arguments' and
+            # the call's closing braces, which the flat schemas have nowhere else) stops it, kept
+            # in the text the parser reads.
+            extra = {"tool_call_constrained": True, "include_stop_str_in_output": True}
+            if stream:
+                chunks = oai.chat.completions.create(**kw, logit_bias=logit_bias, stream=True, extra_body=extra)
+                content, calls, reason, _ = _streamed(chunks)
+                message = openai.types.chat.ChatCompletionMessage(
+                    role="assistant",
+                    content=content or None,
+                    tool_calls=[
+                        {
+                            "id": c["id"],
+                            "type": "function",
+                            "function": {"name": c["name"], "arguments": c["arguments"]},
+                        }
+                        for c in calls.values()
+                    ]
+                    or None,
+                )
+                if not calls:
+                    message.content = content
+            else:
+                r = oai.chat.completions.create(**kw, logit_bias=logit_bias, extra_body=extra).choices[0]
+                message, reason = r.message, r.finish_reason
+            called += _check_text_or_calls(message, reason)
+    assert called >= 3  # the biased requests call a tool
+
+
+def test_tool_choice_none_writes_text(oai):
+    bias = {str(_at_token(oai)): 100}
+    r = oai.chat.completions.create(
+        model=MODEL, messages=MSG, tools=TOOLS, tool_choice="none", max_tokens=8, seed=0, logit_bias=bias
+    ).choices[0]
+    assert r.message.tool_calls is None and r.message.content.startswith("@")
 
 
 def test_vllm_fields_and_streaming(oai):

@@ -334,3 +334,36 @@ def test_vllm_fields_sent_as_off_are_accepted(fe: Frontend) -> None:  # noqa: F8
     body = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True, "request_id": None}
     out = sdk(fe, lambda c: c.completions.create(model=fe.model_name, prompt="x", max_tokens=1, extra_body=body))
     assert out.choices[0].finish_reason == "length"
+
+
+# -- tools (issue 18, items 5 and 6): the fake engine writes "<12><13>...", each "<" a possible
+# start of hermes' "<tool_call>", held back and released as the next character rules it out ----
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_auto_tool_choice_streams_the_same_text_it_answers_whole(fe: Frontend) -> None:  # noqa: F811 - fixture
+    async def both(c: openai.AsyncOpenAI) -> tuple[Any, list[Any]]:
+        kw: dict[str, Any] = {"model": fe.model_name, "messages": MSGS, "max_tokens": 5, "tools": TOOLS}
+        whole = await c.chat.completions.create(**kw)
+        return whole, [ch async for ch in await c.chat.completions.create(**kw, stream=True)]
+
+    whole, chunks = sdk(fe, both)
+    message = whole.choices[0].message
+    assert message.tool_calls is None and whole.choices[0].finish_reason == "length"
+    assert message.content is not None and message.content.startswith("<")
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == message.content
+    assert all(ch.choices[0].delta.tool_calls is None for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_the_tools_reach_the_chat_template_in_chat_and_tokenize(fe: Frontend) -> None:  # noqa: F811 - fixture
+    """As vLLM: a template that shows the tools gets them, and /tokenize counts the same prompt."""
+    fe.tokenizer.chat_template = "{% if tools %}[{{ tools[0]['function']['name'] }}]{% endif %}" + str(
+        fe.tokenizer.chat_template
+    )
+    expected = template_ids(fe, MSGS, tools=TOOLS)
+    assert expected != template_ids(fe, MSGS)
+    sdk(fe, lambda c: c.chat.completions.create(model=fe.model_name, messages=MSGS, max_tokens=2, tools=TOOLS))
+    assert seen_prompts() == [expected]
+    assert http(fe, "POST", "/tokenize", {"messages": MSGS, "tools": TOOLS}).json()["tokens"] == expected

@@ -69,11 +69,8 @@ def test_text_response_format_is_no_constraint() -> None:
         ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "whitespace_pattern not supported"),
         ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend: not implemented"),
         ({"functions": [{"name": "f"}]}, "functions: not implemented"),
-        ({"tools": TOOLS}, "tool_choice: 'auto'"),
-        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice: 'auto'"),
         ({"tool_choice": "required"}, "tool_choice: requires tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope' is not one"),
-        ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream: streaming tool calls"),
         ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "cannot be combined"),
         ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, r"tools\[0\]"),
     ],
@@ -89,7 +86,7 @@ def test_named_tool_constrains_to_its_parameters_and_answers_with_tool_calls() -
     )
     assert req.sampling_params().structured_outputs.json == SCHEMA  # type: ignore[union-attr]  # set: the request names a tool
     out = RequestOutput("r", None, [1], [CompletionOutput(0, '{"a": 3}', [5], None, None, finish_reason="stop")], True)
-    choice = chat_response("id", "m", out, str, 0, tool=req.forced_tool)["choices"][0]
+    choice = chat_response("id", "m", out, str, 0, tool=req.tool_calling())["choices"][0]
     call = choice["message"]["tool_calls"][0]
     assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"
     assert call["type"] == "function" and call["function"] == {"name": "get", "arguments": '{"a": 3}'}
@@ -101,7 +98,7 @@ def test_required_tool_picks_one_of_the_tools() -> None:
     assert [b["properties"]["name"]["const"] for b in so.json["anyOf"]] == ["get", "put"]  # type: ignore[union-attr]  # set: tool_choice is "required"
     text = '{"name": "put", "arguments": {}}'
     out = RequestOutput("r", None, [1], [CompletionOutput(0, text, [5], None, None, finish_reason="stop")], True)
-    choice = chat_response("id", "m", out, str, 0, tool=req.forced_tool)["choices"][0]
+    choice = chat_response("id", "m", out, str, 0, tool=req.tool_calling())["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "put", "arguments": "{}"}
 

@@ -140,7 +140,7 @@ def _out(text: str, reason: str, n_prompt: int = 4) -> RequestOutput:
 def _answer(req: ResponsesRequest, out: RequestOutput) -> ResponseObject:
     chat = req.chat_request()
     head = ResponseObject.start("m", req)
-    return finished(head, next(chat_choices(out, str, 0, tool=chat.forced_tool)), out)
+    return finished(head, next(chat_choices(out, str, 0, tool=chat.tool_calling())), out)
 
 
 def test_finished_response_from_chats_answer() -> None:
