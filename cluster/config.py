@@ -73,7 +73,7 @@ ENGINE_JSON_SCHEMA: dict[str, dict[str, Any]] = {
     "max_num_seqs": {"minimum": 1},
     "max_num_batched_tokens": {"minimum": 1},
     "max_model_len": {"minimum": 2},
-    "max_logprobs": {"minimum": 0},
+    "max_logprobs": {"minimum": -1},
     "logits_processors": {"items": {"type": "string", "pattern": _FQCN.pattern}},
     "block_size": {"minimum": 1},
     "kv_cache_bytes": {"minimum": 1},

@@ -180,7 +180,7 @@ class Frontend:
         if keep is None:  # a prompt to be truncated may be longer than the context
             for p in prompts:
                 self.check_prompt_chars(p)
-        self.validator.validate(params)
+        params = self.validator.validate(params)
         ids = [
             self.validator.check_length(tokens.truncate(self.validator.encode(p, tokens.add_special_tokens), keep))
             for p in prompts

@@ -149,8 +149,8 @@ class AsyncEngine:
             fut = self._cache_waiters.popleft()
             fut.get_loop().call_soon_threadsafe(_resolve, fut, cached)  # each on its own loop
 
-    def validate(self, params: SamplingParams) -> None:
-        self.engine.validate(params)
+    def validate(self, params: SamplingParams) -> SamplingParams:
+        return self.engine.validate(params)
 
     async def generate(
         self,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from worker.sampling_params import DEFAULT_MAX_LOGPROBS
+from worker.sampling_params import ALL_LOGPROBS, DEFAULT_MAX_LOGPROBS
 
 # worker.fairness implements them.
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
@@ -109,5 +109,5 @@ class EngineConfig:
             )
         if self.stream_buffer_outputs < 2:
             raise ValueError(f"stream_buffer_outputs: must be >= 2, got {self.stream_buffer_outputs}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs < ALL_LOGPROBS:
+            raise ValueError(f"max_logprobs: must be >= 0, or -1 for no cap, got {self.max_logprobs}")

@@ -159,9 +159,10 @@ class LLMEngine:
 
     # -- requests in -------------------------------------------------------------------
 
-    def validate(self, params: SamplingParams) -> None:
-        """Standard validation plus every loaded processor's ``validate_params`` (ValueError)."""
-        self.validator.validate(params)
+    def validate(self, params: SamplingParams) -> SamplingParams:
+        """Standard validation plus every loaded processor's ``validate_params`` (ValueError);
+        returns the params to run (RequestValidator.validate)."""
+        return self.validator.validate(params)
 
     def prepare(
         self, request_id: str | None, prompt: Prompt, params: SamplingParams, scheduling: Scheduling | None = None
@@ -170,7 +171,7 @@ class LLMEngine:
 
         ``scheduling``: its group, tenant and priority for fair admission (default: a group of its own).
         """
-        self.validate(params)
+        params = self.validate(params)
         scheduling = scheduling or Scheduling()
         self._check_scheduling(scheduling)
         ids = self.validator.tokenize(prompt)

@@ -7,6 +7,7 @@ needs no model runs in ``__post_init__``; validation that needs the model's voca
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeGuard
@@ -18,6 +19,8 @@ _GREEDY_EPS = 1e-5
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 DEFAULT_MAX_LOGPROBS = 20
+# logprobs / prompt_logprobs = -1: every token of the vocabulary (vLLM's); as max_logprobs: no cap.
+ALL_LOGPROBS = -1
 
 
 def _is_int(x: object) -> TypeGuard[int]:
@@ -214,14 +217,10 @@ class SamplingParams:
                     raise _bad("logit_bias", tok, "token ids must be integers >= 0")
                 if not _is_finite_number(bias):
                     raise _bad("logit_bias", bias, f"bias of token {tok} must be a finite number")
-        if self.logprobs is not None and not _is_int_in(self.logprobs, 0, INT64_MAX):
-            raise _bad("logprobs", self.logprobs, "must be an integer >= 0")
-        if self.prompt_logprobs is not None and not _is_int_in(self.prompt_logprobs, 0, INT64_MAX):
-            raise _bad(
-                "prompt_logprobs",
-                self.prompt_logprobs,
-                "must be an integer >= 0 (-1, the whole vocabulary, is not supported)",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not _is_int_in(k, ALL_LOGPROBS, INT64_MAX):
+                raise _bad(name, k, "must be an integer >= 0, or -1 for the whole vocabulary")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise _bad("logprobs_mode", self.logprobs_mode, f"must be one of {LOGPROBS_MODES}")
         if self.extra_args is not None:
@@ -243,10 +242,21 @@ class SamplingParams:
             for tok in ids:
                 if tok >= vocab_size:
                     raise _bad(name, tok, f"token id out of vocabulary (vocab_size={vocab_size})")
-        if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise _bad("logprobs", self.logprobs, f"must be <= {max_logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
-            raise _bad("prompt_logprobs", self.prompt_logprobs, f"must be <= {max_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            n = vocab_size if k == ALL_LOGPROBS else k
+            if n is not None and max_logprobs != ALL_LOGPROBS and n > max_logprobs:
+                whole = f" (max_logprobs; -1 is the whole vocabulary, {vocab_size})" if k == ALL_LOGPROBS else ""
+                raise _bad(name, k, f"must be <= {max_logprobs}{whole}")
+
+    def resolved(self, vocab_size: int) -> SamplingParams:
+        """These params with -1 logprobs (the whole vocabulary, vLLM's) as ``vocab_size``: what the
+        engine and the response-size limits count. ``self`` when there is nothing to resolve."""
+        if ALL_LOGPROBS not in (self.logprobs, self.prompt_logprobs):
+            return self
+        logprobs = vocab_size if self.logprobs == ALL_LOGPROBS else self.logprobs
+        prompt = vocab_size if self.prompt_logprobs == ALL_LOGPROBS else self.prompt_logprobs
+        return dataclasses.replace(self, logprobs=logprobs, prompt_logprobs=prompt)
 
     # -- engine-side completion ----------------------------------------------------------
 

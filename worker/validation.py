@@ -24,12 +24,16 @@ class RequestValidator:
     max_logprobs: int
     processors: LogitsProcessors
 
-    def validate(self, params: SamplingParams) -> None:
+    def validate(self, params: SamplingParams) -> SamplingParams:
+        """``params`` checked (ValueError naming the field), returned as the engine takes them
+        (-1 logprobs resolved to the vocabulary)."""
         params.validate_for_model(self.vocab_size, self.max_logprobs)
+        params = params.resolved(self.vocab_size)
         self.processors.validate_params(params)
         so = params.structured_outputs
         if so is not None:  # compiled (or found in the cache) here, before admission, off the step
             so.compiled = compiler_for(self.tokenizer, self.vocab_size).compile(so)
+        return params
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.check_length(self.encode(prompt))

@@ -46,7 +46,7 @@ def test_chat_max_tokens_given(fields, expected):
         (ChatCompletionRequest, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
         (ChatCompletionRequest, {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
         (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        (CompletionRequest, {"prompt": "x", "echo": True, "prompt_logprobs": -1}, "prompt_logprobs"),
+        (CompletionRequest, {"prompt": "x", "echo": True, "prompt_logprobs": -2}, "prompt_logprobs"),
         (ChatCompletionRequest, {"messages": CHAT, "prompt_logprobs": -3}, "prompt_logprobs"),
     ],
 )
@@ -125,3 +125,13 @@ def test_served_name_is_never_a_path(fields, name):
 def test_unknown_model_is_openai_404():
     err = error_body(classify(ModelNotFound("gpt-4")))["error"]
     assert (err["code"], err["type"], err["param"]) == (404, "NotFoundError", "model") and "gpt-4" in err["message"]
+
+
+def test_minus_one_logprobs_reach_the_engine_as_the_whole_vocabulary():
+    """vLLM's -1 (every token) on chat's top_logprobs, completions' logprobs and prompt_logprobs;
+    the engine resolves it against its vocabulary and max_logprobs (SamplingParams.resolved)."""
+    chat = ChatCompletionRequest.model_validate({"messages": CHAT, "logprobs": True, "top_logprobs": -1})
+    assert chat.sampling_params().logprobs == -1
+    done = CompletionRequest.model_validate({"prompt": "x", "logprobs": -1, "prompt_logprobs": -1}).sampling_params()
+    assert (done.logprobs, done.prompt_logprobs) == (-1, -1)
+    assert (done.resolved(3000).logprobs, done.resolved(3000).prompt_logprobs) == (3000, 3000)

@@ -142,7 +142,7 @@ def test_offline_llm_returns_prompt_logprobs(tiny_model) -> None:
     assert_matches_reference(tiny_model, prompt, out.prompt_logprobs, 0)
 
 
-@pytest.mark.parametrize("value", [-1, -2, 1.5, True, "3"])
+@pytest.mark.parametrize("value", [-2, -100, 1.5, True, "3"])
 def test_bad_prompt_logprobs_name_the_field(value) -> None:
     with pytest.raises(ValueError, match=r"^prompt_logprobs: "):
         SamplingParams(prompt_logprobs=value)
@@ -152,6 +152,33 @@ def test_prompt_logprobs_capped_by_max_logprobs() -> None:
     SamplingParams(prompt_logprobs=20).validate_for_model(1000, max_logprobs=20)
     with pytest.raises(ValueError, match=r"^prompt_logprobs: .*<= 20"):
         SamplingParams(prompt_logprobs=21).validate_for_model(1000, max_logprobs=20)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_minus_one_is_the_whole_vocabulary_where_max_logprobs_allows(field: str) -> None:
+    """vLLM's -1: every token; allowed when max_logprobs is -1 (no cap) or at least the vocabulary."""
+    params = SamplingParams(**{field: -1})
+    for cap in (-1, 1000, 5000):
+        params.validate_for_model(1000, max_logprobs=cap)
+    with pytest.raises(ValueError, match=rf"^{field}: must be <= 999 .*whole vocabulary, 1000"):
+        params.validate_for_model(1000, max_logprobs=999)
+    resolved = params.resolved(1000)
+    assert getattr(resolved, field) == 1000 and getattr(params, field) == -1
+    assert SamplingParams(logprobs=3).resolved(1000) == SamplingParams(logprobs=3)
+
+
+def test_minus_one_logprobs_return_every_token_of_the_vocabulary(tiny_model) -> None:
+    llm = LLM(loaded=tiny_model, load_entry_points=False, **{**suite_engine_kwargs(), "max_logprobs": -1})
+    prompt = prompts_of(tiny_model, 1, lo=6, hi=7, seed=4)[0]
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1, ignore_eos=True))
+    v = tiny_model.vocab_size
+    (c,) = out.outputs
+    assert [len(position) for position in c.logprobs] == [v, v]
+    assert all(sorted(lp.rank for lp in position.values()) == list(range(1, v + 1)) for position in c.logprobs)
+    assert [None if p is None else len(p) for p in out.prompt_logprobs] == [None] + [v] * (len(prompt) - 1)
+    capped = LLM(loaded=tiny_model, load_entry_points=False, **suite_engine_kwargs())
+    with pytest.raises(ValueError, match=r"logprobs: .*whole vocabulary"):
+        capped.generate([prompt], SamplingParams(logprobs=-1))
 
 
 def test_runner_returns_prompt_rows_after_sampled_rows(tiny_model) -> None:

@@ -52,7 +52,8 @@ INVALID: list[tuple[dict[str, Any], str, Any]] = [
     ({"logit_bias": {1: INF}}, "logit_bias", INF),
     ({"logit_bias": {1: NAN}}, "logit_bias", NAN),
     ({"logit_bias": {"x": 1.0}}, "logit_bias", "x"),
-    ({"logprobs": -1}, "logprobs", -1),
+    ({"logprobs": -2}, "logprobs", -2),
+    ({"prompt_logprobs": -2}, "prompt_logprobs", -2),
     ({"logprobs_mode": "final"}, "logprobs_mode", "final"),
     ({"extra_args": [1, 2]}, "extra_args", [1, 2]),
 ]
