@@ -8,7 +8,8 @@ built in one place, cluster.openai.routes.status_response / error_body). Routes:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -62,7 +63,7 @@ from cluster.openai.responses import (
     responses_fields,
     sse_event,
 )
-from cluster.openai.shapes import DetokenizeResponse, ModelCard, ModelList
+from cluster.openai.shapes import CompletionChunk, DetokenizeResponse, ModelCard, ModelList
 from cluster.openai.tool_parsers import load_tool_call_parser
 from cluster.openai.tools import ToolCalling, ToolCallStream
 from cluster.openai.wire import (
@@ -221,73 +222,23 @@ class HttpAdapter:
         sched: Scheduling | None = None,
     ) -> AsyncIterator[str]:
         fe = self.frontend
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, ids: list[int]) -> None:
-            try:
-                async for delta in fe.stream_deltas(f"{rid}-{i}", ids, params, sched):
-                    await queue.put((i, delta))
-                await queue.put((i, None))
-            except BaseException as exc:  # noqa: BLE001 - forwarded to the client stream
-                await queue.put((i, exc))
-
-        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
-        done, n_tokens, created = 0, 0, now()
-        token_ids = bool(body.return_token_ids)
-        sent: dict[int, int] = {}  # characters sent per choice index: the next text_offset
-        echoes: dict[int, Echo] = {}  # per prompt, from its first delta (which carries the prompt logprobs)
-        cached: dict[int, int] = {}  # per prompt, prompt tokens the prefix cache served
-        try:
-            while done < len(tasks):
-                i, item = await queue.get()
-                if item is None:
-                    done += 1
-                    continue
+        streams = [fe.stream_deltas(f"{rid}-{i}", ids, params, sched) for i, ids in enumerate(prompts)]
+        state = _CompletionStream(rid, fe.model_name, fe.decode_token, prompts, params.n, body)
+        async with contextlib.aclosing(_merged(streams)) as merged:  # closing it cancels the streams
+            async for i, item in merged:
                 if isinstance(item, BaseException):
                     for event in self._error_event(item):
                         yield event
                     return
-                if item.num_cached_tokens is not None:
-                    cached[i] = item.num_cached_tokens
-                if body.echo and i not in echoes:
-                    echoes[i] = self._echo(raw[i], prompts[i], item, body)
-                for choice in item.outputs:
-                    index = i * params.n + choice.index
-                    n_tokens += 0 if body.echo_only else len(choice.token_ids)
-                    c = choice
-                    if body.echo:  # the prompt comes first, in the choice's first chunk (as vLLM)
-                        c = after_echo(choice, echoes[i]) if index in sent else echoed(choice, echoes[i])
-                        if index in sent and not c.text and c.finish_reason is None:
-                            continue
-                    chunk = completion_chunk(
-                        rid,
-                        fe.model_name,
-                        c,
-                        fe.decode_token,
-                        i * params.n,
-                        ([] if body.echo_only else choice.token_ids) if token_ids else None,
-                        created=created,
-                        text_offset=sent.get(index, 0),
-                        include_stop=body.include_stop_str_in_output,
-                        prompt_token_ids=prompts[i] if token_ids and index not in sent else None,
-                    )
-                    lp = chunk["choices"][0]["logprobs"]
-                    # Offsets run over the tokens' texts, as in the whole response (an echoed
-                    # prompt's special tokens are in them, not in its text).
-                    sent[index] = (
-                        lp["text_offset"][-1] + len(lp["tokens"][-1])
-                        if lp and lp["tokens"]
-                        else sent.get(index, 0) + len(chunk["choices"][0]["text"])
-                    )
+                if body.echo and i not in state.echoes:
+                    state.echoes[i] = self._echo(raw[i], prompts[i], item, body)
+                for chunk in state.chunks(i, item):
                     yield sse(chunk)
-            if body.include_usage:
-                u = usage(sum(map(len, prompts)), n_tokens, sum(cached.values()))
-                yield sse(usage_chunk(rid, fe.model_name, "text_completion", u, created=created))
-            fe.count_ok("http", tokens=n_tokens)
-            yield DONE
-        finally:
-            for t in tasks:
-                t.cancel()
+        if body.include_usage:
+            u = usage(sum(map(len, prompts)), state.n_tokens, sum(state.cached.values()))
+            yield sse(usage_chunk(rid, fe.model_name, "text_completion", u, created=state.created))
+        fe.count_ok("http", tokens=state.n_tokens)
+        yield DONE
 
     # -- /v1/chat/completions --------------------------------------------------------------
 
@@ -528,3 +479,90 @@ class HttpAdapter:
     async def prometheus(self) -> Response:
         body, content_type = await self.frontend.metrics_text()
         return Response(body, media_type=content_type)
+
+
+async def _merged(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncGenerator[tuple[int, RequestOutput | BaseException]]:
+    """The deltas of several streams as they come, each with its stream's index; a stream's
+    failure is yielded (then the merge ends). Every stream is cancelled when the merge is closed."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((i, delta))
+            await queue.put((i, None))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the client stream
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    done = 0
+    try:
+        while done < len(tasks):
+            i, item = await queue.get()
+            if item is None:
+                done += 1
+                continue
+            yield i, item
+            if isinstance(item, BaseException):
+                return
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _CompletionStream:
+    """One streamed /v1/completions response over its prompts: the chunks of each delta, the
+    characters sent per choice (the next text_offset), each prompt's echo and cache hits."""
+
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        decode: Callable[[int], str],
+        prompts: list[list[int]],
+        n: int,
+        body: CompletionRequest,
+    ) -> None:
+        self.rid, self.model, self.decode, self.prompts, self.n, self.body = rid, model, decode, prompts, n, body
+        self.created = now()
+        self.n_tokens = 0
+        self.sent: dict[int, int] = {}  # characters sent per choice index
+        self.echoes: dict[int, Echo] = {}  # per prompt, from its first delta (which carries the prompt logprobs)
+        self.cached: dict[int, int] = {}  # per prompt, prompt tokens the prefix cache served
+
+    def chunks(self, i: int, item: RequestOutput) -> Iterator[CompletionChunk]:
+        body, token_ids = self.body, bool(self.body.return_token_ids)
+        if item.num_cached_tokens is not None:
+            self.cached[i] = item.num_cached_tokens
+        for choice in item.outputs:
+            index = i * self.n + choice.index
+            self.n_tokens += 0 if body.echo_only else len(choice.token_ids)
+            c = choice
+            if body.echo:  # the prompt comes first, in the choice's first chunk (as vLLM)
+                echo = self.echoes[i]
+                c = after_echo(choice, echo) if index in self.sent else echoed(choice, echo)
+                if index in self.sent and not c.text and c.finish_reason is None:
+                    continue
+            chunk = completion_chunk(
+                self.rid,
+                self.model,
+                c,
+                self.decode,
+                i * self.n,
+                ([] if body.echo_only else choice.token_ids) if token_ids else None,
+                created=self.created,
+                text_offset=self.sent.get(index, 0),
+                include_stop=body.include_stop_str_in_output,
+                prompt_token_ids=self.prompts[i] if token_ids and index not in self.sent else None,
+            )
+            lp = chunk["choices"][0]["logprobs"]
+            # Offsets run over the tokens' texts, as in the whole response (an echoed prompt's
+            # special tokens are in them, not in its text).
+            self.sent[index] = (
+                lp["text_offset"][-1] + len(lp["tokens"][-1])
+                if lp and lp["tokens"]
+                else self.sent.get(index, 0) + len(chunk["choices"][0]["text"])
+            )
+            yield chunk
