@@ -227,6 +227,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+        self.engine.close()  # the executor's processes, where it has any
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats"]

@@ -32,7 +32,8 @@ DTYPES: tuple[str, ...] = ("auto", *DTYPE_NAMES)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # Local path or hub id; None = the embedded tiny model, built on first use.
+    # Local path or hub id; the engine needs one. None here is the caller's to resolve (the CLI,
+    # the app and LLM() run the embedded tiny model: worker.model.loader.embedded_model_path).
     model: str | None = None
     dtype: str = "auto"
     # None = CUDA when available, else CPU.

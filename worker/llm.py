@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
-from worker.model.loader import LoadedModel
+from worker.model.loader import LoadedModel, embedded_model_path
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.sampling_params import SamplingParams
 
@@ -36,6 +36,8 @@ class LLM:
         loaded: LoadedModel | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        if model is None and loaded is None:  # offline use with no model named: the embedded one
+            model = str(embedded_model_path())
         config = EngineConfig(
             model=model,
             logits_processors=tuple(logits_processors),

@@ -354,6 +354,12 @@ def build_tiny_model(
     return path
 
 
+def embedded_model_path() -> Path:
+    """The embedded tiny model, built on first use: what the CLI, the app, benches and tests run
+    when no model is named (the engine itself always takes a named one)."""
+    return build_tiny_model(default_model_path())
+
+
 # --------------------------------------------------------------------------- limits
 
 # Without an explicit max_model_len, KV is sized for at most this many tokens per sequence:

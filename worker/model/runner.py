@@ -113,6 +113,9 @@ class ModelRunner:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def close(self) -> None:
+        """Nothing to release in one process (a runner over several would stop them)."""
+
     # ------------------------------------------------------------------ step
 
     def _check(self, seqs: Sequence[ScheduledSeq]) -> None:
