@@ -92,7 +92,7 @@ class AsyncEngine:
 
     def healthy(self, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
         """True while the loop is alive and came round recently (a heartbeat, not "the object exists")."""
-        if self.dead is not None:
+        if self.dead is not None or not self.engine.runner.healthy():  # a tensor-parallel group: every rank up
             return False
         if self._thread is None:
             return not self._stopping  # not started yet: started on the first request
@@ -227,7 +227,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
-        self.engine.close()  # the executor's processes, where it has any
+        self.engine.close()  # a tensor-parallel group's ranks exit with it
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats"]

@@ -27,6 +27,7 @@ from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer, rust_tokenizer
 from worker.executor.executor import Executor
 from worker.executor.output import ExecutorError, Failure, ModelRunnerOutput, phase_error
+from worker.executor.tensor_parallel import TensorParallelGroup, step_capacity
 from worker.kv.manager import KVCacheManager
 from worker.logits_processor.registry import LogitsProcessors
 from worker.model.loader import LoadedModel, load_model, resolve_device, resolve_max_model_len
@@ -80,24 +81,35 @@ class LLMEngine:
         """
         if loaded is None and config.model is None:
             raise ValueError("model: the engine needs a model (a local path or hub id)")
+        if loaded is not None and config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: every rank loads its shard from config.model; pass no loaded model")
         self.config = config
         device = loaded.device if loaded is not None else resolve_device(config.device)
-        if config.kv_cache_bytes is not None:
-            memory = None  # the pool's size is given: nothing to measure
+        if config.kv_cache_bytes is not None or config.tensor_parallel_size > 1:
+            memory = None  # the pool's size is given (or, sharded, sized as on CPU): nothing to measure
         elif memory is None and device.type == "cuda":
             memory = CudaMemory(device)
         start = memory.snapshot() if memory is not None else None  # before the weights load
-        if loaded is None:
+        group = TensorParallelGroup(config) if config.tensor_parallel_size > 1 else None
+        if group is not None:
+            loaded = group.loaded  # rank 0's shard; the other ranks hold theirs
+        elif loaded is None:
             assert config.model is not None
             loaded = load_model(config.model, device=device, dtype=config.dtype)
-        runner = self._start(config, loaded, memory, start)
+        try:
+            runner = self._start(config, loaded, memory, start, group)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
         self.kv = KVCacheManager(runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         logger.info(
-            "KV storage: %d blocks x %d tokens = %d tokens, %.1f MiB; prefix caching %s",
+            "KV storage: %d blocks x %d tokens = %d tokens, %.1f MiB%s; prefix caching %s",
             runner.num_blocks,
             config.block_size,
             self.kv.capacity_tokens,
             runner.kv_cache_bytes / 2**20,
+            f" per rank of {config.tensor_parallel_size}" if group is not None else "",
             "on" if config.enable_prefix_caching else "off",
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -117,8 +129,9 @@ class LLMEngine:
         loaded: LoadedModel,
         memory: DeviceMemory | None,
         start: MemorySnapshot | None,
+        group: TensorParallelGroup | None,
     ) -> ModelRunner:
-        """The model's facts, the KV pool's size, and the runner."""
+        """The model's facts, the KV pool's size, and the runner (rank 0's, for a group)."""
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
@@ -137,8 +150,15 @@ class LLMEngine:
         num_blocks = num_blocks_for(
             loaded, config.block_size, kv_cache_bytes=kv_bytes, default_tokens=config.max_num_seqs * self.max_model_len
         )
-        return ModelRunner(
-            loaded, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
+        if group is None:
+            return ModelRunner(
+                loaded, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
+            )
+        weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        logger.info("tensor parallel: %d ranks, %.1f MiB of weights on rank 0", group.world_size, weights / 2**20)
+        capacity = step_capacity(config, self.max_model_len)
+        return group.runner(
+            num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len, capacity=capacity
         )
 
     def _init_state(self) -> None:

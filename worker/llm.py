@@ -33,6 +33,7 @@ class LLM:
         device: str | None = EngineConfig.device,
         dtype: str = EngineConfig.dtype,
         seed: int = EngineConfig.seed,
+        tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
         loaded: LoadedModel | None = None,
         **engine_kwargs: Any,
     ) -> None:
@@ -47,6 +48,7 @@ class LLM:
             device=device,
             dtype=dtype,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             **engine_kwargs,
         )
         self.engine = LLMEngine(config, loaded=loaded)

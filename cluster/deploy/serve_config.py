@@ -41,6 +41,19 @@ def app_args(cfg: LogitpoolConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json", exclude={"api_keys"} | unset)
 
 
+def rank_placement(cfg: LogitpoolConfig) -> dict[str, Any]:
+    """A tensor-parallel replica is one placement group of one bundle per rank (each a rank's CPUs
+    and GPU), all on one node (STRICT_PACK); the replica itself, rank 0, takes the first bundle.
+    Serve reserves and releases the group with its replica, so scaling adds whole groups."""
+    ranks = cfg.engine.tensor_parallel_size
+    if ranks == 1:
+        return {}
+    bundle: dict[str, float] = {"CPU": cfg.workers.num_cpus}
+    if cfg.workers.num_gpus:
+        bundle["GPU"] = cfg.workers.num_gpus
+    return {"placement_group_bundles": [bundle] * ranks, "placement_group_strategy": "STRICT_PACK"}
+
+
 def deployment_options(cfg: LogitpoolConfig) -> dict[str, dict[str, Any]]:
     """Serve options per deployment name, usable as `Deployment.options(**opts)`."""
     workers = cfg.workers
@@ -56,6 +69,7 @@ def deployment_options(cfg: LogitpoolConfig) -> dict[str, dict[str, Any]]:
             "health_check_period_s": HEALTH_CHECK_PERIOD_S,
             "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
             "ray_actor_options": {"num_cpus": workers.num_cpus, "num_gpus": workers.num_gpus},
+            **rank_placement(cfg),
         },
         INGRESS_DEPLOYMENT: {
             "num_replicas": cfg.ingress.num_replicas,

@@ -138,6 +138,8 @@ applications:
         enable_prefix_caching: {{ $v.engine.enablePrefixCaching | toJson }}
         scheduling_policy: {{ $v.engine.schedulingPolicy | toJson }}
         stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}
+        tensor_parallel_size: {{ $v.engine.tensorParallelSize | toJson }}
+        collective_timeout_s: {{ $v.engine.collectiveTimeoutS | toJson }}
       workers:
         {{- if $a.enabled }}
         num_replicas: null
@@ -183,6 +185,17 @@ applications:
         ray_actor_options:
           num_cpus: {{ $w.cpus | toJson }}
           num_gpus: {{ $w.gpus | toJson }}
+        {{- if gt (int $v.engine.tensorParallelSize) 1 }}
+        # cluster/deploy/serve_config.py rank_placement: one bundle per rank, all on one node.
+        placement_group_bundles:
+          {{- range until (int $v.engine.tensorParallelSize) }}
+          - CPU: {{ $w.cpus | toJson }}
+            {{- if gt (int $w.gpus) 0 }}
+            GPU: {{ $w.gpus | toJson }}
+            {{- end }}
+          {{- end }}
+        placement_group_strategy: STRICT_PACK
+        {{- end }}
       - name: LogitpoolIngress
         num_replicas: {{ $v.ingress.replicas | toJson }}
         max_ongoing_requests: {{ $v.ingress.maxOngoingRequests | toJson }}
