@@ -195,6 +195,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+                if not self.engine.runner.healthy():  # a tensor-parallel rank is gone: no later step can run
+                    raise RuntimeError("model runner unhealthy: a tensor-parallel rank exited or a collective failed")
             except Exception as exc:  # an engine bug: fail everyone loudly rather than hang
                 logger.exception("engine step failed")
                 self.dead = exc

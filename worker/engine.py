@@ -97,11 +97,15 @@ class LLMEngine:
             assert config.model is not None
             loaded = load_model(config.model, device=device, dtype=config.dtype)
         try:
-            runner = self._start(config, loaded, memory, start, group)
-        except BaseException:
+            self._start(config, self._runner(config, loaded, memory, start, group), sharded=group is not None)
+        except BaseException:  # the ranks already started must not outlive a failed start
             if group is not None:
                 group.close()
             raise
+        self._init_state()
+
+    def _start(self, config: EngineConfig, runner: ModelRunner, *, sharded: bool) -> None:
+        """The KV pool's bookkeeping, the scheduler and the executor around ``runner``."""
         self.kv = KVCacheManager(runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         logger.info(
             "KV storage: %d blocks x %d tokens = %d tokens, %.1f MiB%s; prefix caching %s",
@@ -109,7 +113,7 @@ class LLMEngine:
             config.block_size,
             self.kv.capacity_tokens,
             runner.kv_cache_bytes / 2**20,
-            f" per rank of {config.tensor_parallel_size}" if group is not None else "",
+            f" per rank of {config.tensor_parallel_size}" if sharded else "",
             "on" if config.enable_prefix_caching else "off",
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -121,9 +125,8 @@ class LLMEngine:
         )
         self.executor = Executor(config, runner, self.device, self.generator)
         self._refresh_validator()
-        self._init_state()
 
-    def _start(
+    def _runner(
         self,
         config: EngineConfig,
         loaded: LoadedModel,

@@ -10,6 +10,7 @@ so the scenarios share one engine per family.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -21,6 +22,7 @@ import torch
 from tests.worker.model_fixtures import engine_config
 from tests.worker.test_model_matrix import _build
 from tests.worker.test_paged_engine import _engine, _run
+from worker.async_engine import AsyncEngine, EngineDeadError
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.executor.tensor_parallel import TensorParallelRunner, decode_step, encode_step
@@ -68,9 +70,13 @@ def _workload(seeded: bool) -> list[tuple[list[int], SamplingParams]]:
 
 
 def _tp2(path: str, loaded: LoadedModel, **kw: Any) -> LLMEngine:
-    """The TP = 2 engine with the TP = 1 engine's limits; its KV pool is the same number of blocks."""
+    return LLMEngine(_tp2_config(path, loaded, **kw))
+
+
+def _tp2_config(path: str, loaded: LoadedModel, **kw: Any) -> EngineConfig:
+    """The TP = 2 engine's: the TP = 1 engine's limits, and a KV pool of the same number of blocks."""
     per_rank = dataclasses.replace(loaded, shard=ShardLayout.of(loaded.config, 0, 2))
-    cfg = EngineConfig(
+    return EngineConfig(
         model=path,
         dtype="float32",
         device="cpu",
@@ -83,7 +89,6 @@ def _tp2(path: str, loaded: LoadedModel, **kw: Any) -> LLMEngine:
         collective_timeout_s=120,
         **kw,
     )
-    return LLMEngine(cfg)
 
 
 def _tokens(done: dict[str, RequestOutput]) -> dict[str, list[int]]:
@@ -181,3 +186,29 @@ def test_a_dead_rank_fails_the_requests_and_health(tmp_path, tiny_model: LoadedM
             LLMEngine(engine_config(tensor_parallel_size=2), loaded=loaded)
     finally:
         engine.close()
+
+
+def test_a_dead_rank_kills_the_async_engine_with_engine_dead_error(tmp_path, tiny_model: LoadedModel) -> None:
+    """Served, the in-flight request fails with EngineDeadError (503 / UNAVAILABLE), not a finish
+    reason, and health turns false: the replica is replaced as a whole."""
+    loaded = _build("llama", tmp_path, tiny_model.tokenizer)
+
+    async def main() -> None:
+        engine = AsyncEngine(_tp2_config(str(tmp_path), loaded))
+        try:
+            runner = engine.engine.runner
+            assert isinstance(runner, TensorParallelRunner) and engine.healthy()
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            seen = 0
+            with pytest.raises(EngineDeadError, match="tensor-parallel"):
+                async for out in engine.generate("r", list(range(20, 30)), params, delta=True):
+                    seen += len(out.outputs[0].token_ids)
+                    if seen == 2:
+                        (rank1,) = runner.group._procs
+                        assert rank1.pid is not None
+                        os.kill(rank1.pid, signal.SIGKILL)
+            assert 2 <= seen < 40 and not engine.healthy()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 300))

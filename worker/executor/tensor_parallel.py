@@ -233,6 +233,10 @@ class TensorParallelGroup:
         self._expect("ready")
         return runner
 
+    def pids(self) -> list[int]:
+        """The rank processes' ids (ranks 1..N-1)."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
     def healthy(self) -> bool:
         if self.broken is None and not all(p.is_alive() for p in self._procs):
             dead = [p.name for p in self._procs if not p.is_alive()]
@@ -295,6 +299,9 @@ class TensorParallelRunner(ModelRunner):
 
     def healthy(self) -> bool:
         return self.group.healthy()
+
+    def rank_pids(self) -> list[int]:
+        return self.group.pids()
 
     def close(self) -> None:
         self.group.close()

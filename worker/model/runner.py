@@ -119,6 +119,10 @@ class ModelRunner:
         """Whether it can run a step (one process: always; a tensor-parallel group: every rank up)."""
         return True
 
+    def rank_pids(self) -> list[int]:
+        """The processes of the other ranks (none in one process)."""
+        return []
+
     def close(self) -> None:
         """Nothing to release in one process (a tensor-parallel runner stops its ranks)."""
 
