@@ -162,6 +162,13 @@ def test_layout_splits_or_replicates_kv_heads() -> None:
         ShardLayout.of(Cfg(12, 3), 0, 2)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="two GPUs are visible: the group would start")
+def test_gpu_ranks_need_their_gpus_visible(tmp_path) -> None:
+    """Rank r runs on cuda:r; fewer visible GPUs than ranks (a Ray replica sees one) is refused at once."""
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 ranks need 2 visible GPUs"):
+        LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", tensor_parallel_size=2))
+
+
 def test_a_dead_rank_fails_the_requests_and_health(tmp_path, tiny_model: LoadedModel) -> None:
     loaded = _build("llama", tmp_path, tiny_model.tokenizer)
     engine = _tp2(str(tmp_path), loaded)

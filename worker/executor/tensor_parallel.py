@@ -181,8 +181,14 @@ class TensorParallelGroup:
         self.timeout_s = config.collective_timeout_s
         self.stats = CommStats()
         self.broken: str | None = None
-        self._dir = tempfile.mkdtemp(prefix="logitpool-tp-")
         device = resolve_device(config.device)
+        visible = torch.cuda.device_count() if device.type == "cuda" else self.world_size
+        if visible < self.world_size:  # rank r runs on cuda:r of this process's devices
+            raise ValueError(
+                f"tensor_parallel_size: {self.world_size} ranks need {self.world_size} visible GPUs, this process "
+                f"sees {visible} (a Ray replica sees only its own bundle's GPU: GPU ranks as Ray actors are not built)"
+            )
+        self._dir = tempfile.mkdtemp(prefix="logitpool-tp-")
         self.spec = RankSpec(
             config.model,
             config.dtype,
