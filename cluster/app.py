@@ -37,9 +37,9 @@ def resolve_model(cfg: LogitpoolConfig) -> LogitpoolConfig:
     """The embedded default: build the tiny model on first use and point the config at it."""
     if cfg.engine.model is not None:
         return cfg
-    from worker.model.loader import build_tiny_model, default_model_path
+    from worker.model.loader import embedded_model_path
 
-    path = build_tiny_model(default_model_path())
+    path = embedded_model_path()
     return cfg.with_overrides(**{"engine.model": str(path)})
 
 

@@ -79,6 +79,8 @@ ENGINE_JSON_SCHEMA: dict[str, dict[str, Any]] = {
     "kv_cache_bytes": {"minimum": 1},
     "kv_cache_memory_fraction": {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
     "stream_buffer_outputs": {"minimum": 2},
+    "tensor_parallel_size": {"minimum": 1},
+    "collective_timeout_s": {"exclusiveMinimum": 0},
 }
 
 
@@ -145,7 +147,8 @@ class WorkerDeploymentConfig(_Frozen):
     """Fixed replica count; None means 1 unless `autoscaling` is set."""
     autoscaling: AutoscalingConfig | None = None
     num_gpus: NonNegativeFloat = Field(default=0.0, json_schema_extra={"maximum": 1})
-    """0 (the replica runs on CPU), a share of one GPU (replicas sharing it), or 1; see _one_gpu."""
+    """Per rank: 0 (CPU), a share of one GPU (replicas sharing it), or 1; see _one_gpu. A replica
+    with engine.tensor_parallel_size N takes N of them, one placement-group bundle per rank."""
     num_cpus: NonNegativeFloat = 1.0
     max_ongoing_requests: PositiveInt | None = None
     """None = WORKER_CALLS_PER_ROW x the engine's max_num_seqs; Serve's default (5) would cap the batch."""
@@ -157,11 +160,11 @@ class WorkerDeploymentConfig(_Frozen):
     @field_validator("num_gpus")
     @classmethod
     def _one_gpu(cls, value: float) -> float:
-        """A replica runs its model on one device (no tensor parallelism yet): more would sit idle."""
+        """Each rank runs on one device: more would sit idle (more GPUs per replica = more ranks)."""
         if value > 1:
             raise ValueError(
-                f"workers.num_gpus: {value} GPUs per replica, but a replica uses one (tensor parallelism is "
-                "not supported yet) and the rest would sit idle; use 1 and more replicas"
+                f"workers.num_gpus: {value} GPUs per rank, but a rank uses one and the rest would sit idle; "
+                "use 1 and engine.tensor_parallel_size for a model over several GPUs"
             )
         return value
 
@@ -295,7 +298,7 @@ class LogitpoolConfig(_Frozen):
             return self.served_model_name
         model = self.engine.model
         if model is None:
-            return "tiny-llama"  # the embedded model's directory (worker.model.loader.default_model_path)
+            return "tiny-llama"  # the embedded model's directory (worker.model.loader.embedded_model_path)
         if model.startswith(("/", ".", "~")) or Path(model).expanduser().exists():
             return Path(model).expanduser().resolve().name or model
         return model

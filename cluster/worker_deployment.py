@@ -149,6 +149,7 @@ class LogitpoolWorker:
         return {
             "replica_id": ctx.replica_id.unique_id,
             "pid": os.getpid(),
+            "rank_pids": self.engine.engine.runner.rank_pids(),  # a tensor-parallel replica's other ranks
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "num_requests": self._num_requests,
             "num_running": self.engine.num_running,

@@ -98,7 +98,7 @@ class AsyncEngine:
 
     def healthy(self, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
         """True while the loop is alive and came round recently (a heartbeat, not "the object exists")."""
-        if self.dead is not None:
+        if self.dead is not None or not self.engine.runner.healthy():  # a tensor-parallel group: every rank up
             return False
         if self._thread is None:
             return not self._stopping  # not started yet: started on the first request
@@ -224,6 +224,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+                if not self.engine.runner.healthy():  # a tensor-parallel rank is gone: no later step can run
+                    raise RuntimeError("model runner unhealthy: a tensor-parallel rank exited or a collective failed")
             except Exception as exc:  # an engine bug: fail everyone loudly rather than hang
                 logger.exception("engine step failed")
                 self.dead = exc
@@ -256,6 +258,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
+        self.engine.close()  # a tensor-parallel group's ranks exit with it
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats"]

@@ -32,7 +32,8 @@ DTYPES: tuple[str, ...] = ("auto", *DTYPE_NAMES)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # Local path or hub id; None = the embedded tiny model, built on first use.
+    # Local path or hub id; the engine needs one. None here is the caller's to resolve (the CLI,
+    # the app and LLM() run the embedded tiny model: worker.model.loader.embedded_model_path).
     model: str | None = None
     dtype: str = "auto"
     # None = CUDA when available, else CPU.
@@ -67,6 +68,11 @@ class EngineConfig:
     # request holding every row gives way to a newcomer within a step; `priority` orders a key's
     # own requests); "priority" = vLLM's (priority, arrival); "fcfs" = arrival order.
     scheduling_policy: SchedulingPolicy = "fair"
+    # Ranks the model is sharded over (worker.executor.tensor_parallel): rank 0 is the engine's
+    # process and keeps the scheduler, batch, processors and sampler; the others are processes it
+    # starts. Each collective (and each rank's start) fails after collective_timeout_s seconds.
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 60.0
     # AsyncEngine: outputs (one per step) a stream may hold undelivered before its request is
     # paused (out of the batch, KV kept); it resumes once its consumer has taken half of them.
     stream_buffer_outputs: int = 64
@@ -109,5 +115,9 @@ class EngineConfig:
             )
         if self.stream_buffer_outputs < 2:
             raise ValueError(f"stream_buffer_outputs: must be >= 2, got {self.stream_buffer_outputs}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s: must be > 0, got {self.collective_timeout_s}")
         if self.max_logprobs < ALL_LOGPROBS:
             raise ValueError(f"max_logprobs: must be >= 0, or -1 for no cap, got {self.max_logprobs}")

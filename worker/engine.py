@@ -1,10 +1,11 @@
-"""LLMEngine: the continuous-batching loop a worker runs.
+"""LLMEngine: the continuous-batching loop a worker runs, and its scheduler side.
 
-One ``step()`` reads top to bottom: schedule → persistent-batch update → every processor's
-``update_state`` → one forward over all rows → sampler → append tokens to the live output lists →
-detect finished sequences → hand out deltas. ``add_request`` / ``abort_request`` may be called from
-another thread: they go through an inbox the step drains first, so the step thread alone touches
-engine state.
+One ``step()`` is three verbs: schedule (admission, KV bookkeeping) → execute (the
+``worker.executor``: persistent-batch update, every processor's ``update_state``, one forward over
+all rows, sampler) → update from the output (fail what the executor failed, append tokens to the
+live output lists, detect finished sequences, hand out deltas). ``add_request`` /
+``abort_request`` may be called from another thread: they go through an inbox the step drains
+first, so the step thread alone touches engine state.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import queue
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,24 +25,17 @@ import torch
 from worker.batch import PersistentBatch, seeded_generator
 from worker.config import EngineConfig
 from worker.detokenizer import IncrementalDetokenizer, rust_tokenizer
+from worker.executor.executor import Executor
+from worker.executor.output import ExecutorError, Failure, ModelRunnerOutput, phase_error
+from worker.executor.tensor_parallel import TensorParallelGroup, step_capacity
 from worker.kv.manager import KVCacheManager
-from worker.logits_processor.errors import ProcessorError
-from worker.logits_processor.interface import BatchUpdate
-from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
-from worker.model.loader import (
-    LoadedModel,
-    build_tiny_model,
-    default_model_path,
-    load_model,
-    resolve_device,
-    resolve_max_model_len,
-)
-from worker.model.memory import CudaMemory, DeviceMemory, KVBudget
+from worker.logits_processor.registry import LogitsProcessors
+from worker.model.loader import LoadedModel, load_model, resolve_device, resolve_max_model_len
+from worker.model.memory import CudaMemory, DeviceMemory, KVBudget, MemorySnapshot
 from worker.model.profile import profiled_kv_budget
-from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
+from worker.model.runner import ModelRunner, block_bytes, num_blocks_for
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
-from worker.reorder import tail_swaps
 from worker.request import Request, Scheduling
 from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
 from worker.sampling_params import SamplingParams
@@ -80,17 +74,67 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, *, loaded: LoadedModel | None = None, memory: DeviceMemory | None = None
     ) -> None:
-        """``memory``: the device's memory figures for KV sizing (default: CUDA's, on a GPU)."""
+        """``memory``: the device's memory figures for KV sizing (default: CUDA's, on a GPU).
+
+        The model is ``loaded``, else ``config.model`` (``worker.model.loader.embedded_model_path``
+        gives the embedded tiny one): the engine builds none itself.
+        """
+        if loaded is None and config.model is None:
+            raise ValueError("model: the engine needs a model (a local path or hub id)")
+        if loaded is not None and config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: every rank loads its shard from config.model; pass no loaded model")
         self.config = config
         device = loaded.device if loaded is not None else resolve_device(config.device)
-        if config.kv_cache_bytes is not None:
-            memory = None  # the pool's size is given: nothing to measure
+        if config.kv_cache_bytes is not None or config.tensor_parallel_size > 1:
+            memory = None  # the pool's size is given (or, sharded, sized as on CPU): nothing to measure
         elif memory is None and device.type == "cuda":
             memory = CudaMemory(device)
         start = memory.snapshot() if memory is not None else None  # before the weights load
-        if loaded is None:
-            model = config.model or str(build_tiny_model(default_model_path()))
-            loaded = load_model(model, device=device, dtype=config.dtype)
+        group = TensorParallelGroup(config) if config.tensor_parallel_size > 1 else None
+        if group is not None:
+            loaded = group.loaded  # rank 0's shard; the other ranks hold theirs
+        elif loaded is None:
+            assert config.model is not None
+            loaded = load_model(config.model, device=device, dtype=config.dtype)
+        try:
+            self._start(config, self._runner(config, loaded, memory, start, group), sharded=group is not None)
+        except BaseException:  # the ranks already started must not outlive a failed start
+            if group is not None:
+                group.close()
+            raise
+        self._init_state()
+
+    def _start(self, config: EngineConfig, runner: ModelRunner, *, sharded: bool) -> None:
+        """The KV pool's bookkeeping, the scheduler and the executor around ``runner``."""
+        self.kv = KVCacheManager(runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        logger.info(
+            "KV storage: %d blocks x %d tokens = %d tokens, %.1f MiB%s; prefix caching %s",
+            runner.num_blocks,
+            config.block_size,
+            self.kv.capacity_tokens,
+            runner.kv_cache_bytes / 2**20,
+            f" per rank of {config.tensor_parallel_size}" if sharded else "",
+            "on" if config.enable_prefix_caching else "off",
+        )
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv=self.kv,
+            policy=config.scheduling_policy,
+        )
+        self.executor = Executor(config, runner, self.device, self.generator)
+        self._refresh_validator()
+
+    def _runner(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        memory: DeviceMemory | None,
+        start: MemorySnapshot | None,
+        group: TensorParallelGroup | None,
+    ) -> ModelRunner:
+        """The model's facts, the KV pool's size, and the runner (rank 0's, for a group)."""
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
@@ -109,26 +153,18 @@ class LLMEngine:
         num_blocks = num_blocks_for(
             loaded, config.block_size, kv_cache_bytes=kv_bytes, default_tokens=config.max_num_seqs * self.max_model_len
         )
-        self.runner = ModelRunner(
-            loaded, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
+        if group is None:
+            return ModelRunner(
+                loaded, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
+            )
+        weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        logger.info("tensor parallel: %d ranks, %.1f MiB of weights on rank 0", group.world_size, weights / 2**20)
+        capacity = step_capacity(config, self.max_model_len)
+        return group.runner(
+            num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len, capacity=capacity
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
-        logger.info(
-            "KV storage: %d blocks x %d tokens = %d tokens, %.1f MiB; prefix caching %s",
-            num_blocks,
-            config.block_size,
-            self.kv.capacity_tokens,
-            self.runner.kv_cache_bytes / 2**20,
-            "on" if config.enable_prefix_caching else "off",
-        )
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            kv=self.kv,
-            policy=config.scheduling_policy,
-        )
-        self._build_batch_state()
+
+    def _init_state(self) -> None:
         self._parents: dict[str, _Parent] = {}
         self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -139,23 +175,47 @@ class LLMEngine:
         # Terminal outcomes of sequences, by finish reason; batch-state rebuilds after a failure.
         self.finish_counts: collections.Counter[str] = collections.Counter()
         self.num_restarts = 0
-        self.num_condense_moves = 0
-        self.num_swaps = 0
 
     def _build_batch_state(self) -> None:
-        """Fresh persistent batch, processors and sampler (at start, and after a processor failed)."""
-        self.processors: LogitsProcessors = build_logits_processors(
-            self.config,
-            self.device,
-            self.pin_memory,
-            custom=self.config.logits_processors,
-            entry_points=self.config.load_entry_points,
-        )
-        self.batch = PersistentBatch(self.config.max_num_seqs, device=self.device, pin_memory=self.pin_memory)
-        self.sampler = Sampler(self.processors, generator=self.generator)
+        """Fresh persistent batch, processors and sampler (after a failure no phase owns)."""
+        self.executor.reset()
+        self._refresh_validator()
+
+    def _refresh_validator(self) -> None:
+        """Validation runs the processors' ``validate_params``: the executor's current ones."""
         self.validator = RequestValidator(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.config.max_logprobs, self.processors
+            self.tokenizer, self.vocab_size, self.max_model_len, self.config.max_logprobs, self.executor.processors
         )
+
+    # -- the executor's parts, as the engine's callers (metrics, tests, benches) read them ----
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.executor.runner
+
+    @property
+    def batch(self) -> PersistentBatch:
+        return self.executor.batch
+
+    @property
+    def processors(self) -> LogitsProcessors:
+        return self.executor.processors
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.executor.sampler
+
+    @property
+    def num_condense_moves(self) -> int:
+        return self.executor.num_condense_moves
+
+    @property
+    def num_swaps(self) -> int:
+        return self.executor.num_swaps
+
+    def close(self) -> None:
+        """Release the executor's processes (a tensor-parallel group's ranks; nothing for one)."""
+        self.executor.close()
 
     # -- requests in -------------------------------------------------------------------
 
@@ -341,16 +401,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         self._drain_inbox()
         sched = self._schedule()
-        if sched is not None and self._update_batch(sched):
-            rows = [sched.chunks[rid] for rid in self.batch.req_ids]
-            partial = [c for c in sched.chunks.values() if not c.sample]
-            logits = self._execute(rows, partial)
-            if rows and logits is not None:
-                sampled = self._sample(rows, logits[: len(rows)])
-                if sampled is not None:
-                    self._append_samples(*sampled)
-            if logits is not None and logits.shape[0] > len(rows):
-                self._record_prompt_logprobs(rows + partial, logits[len(rows) :])
+        if sched is not None:
+            self._update_from_output(sched, self._execute(sched))
         return self._collect_outputs()
 
     def _schedule(self) -> SchedulerOutput | None:
@@ -360,77 +412,50 @@ class LLMEngine:
             self._fail_everything(exc, phase="schedule")
             return None
 
-    def _update_batch(self, sched: SchedulerOutput) -> bool:
-        """Persistent-batch update, then every processor's ``update_state``; False: skip the step."""
-        joining = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sched.joining]
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The executor's step; when it breaks past its own isolation, what it had failed is
+        applied first, then the step fails as a whole (``step``)."""
         try:
-            update = self.batch.update(sched.finished_ids, joining, swaps=self._swaps)
-        except Exception as exc:  # noqa: BLE001 - a batch-update failure fails the batch, which is rebuilt
-            in_batch = [self._requests[rid] for rid in self.batch.req_ids if rid in self._requests]
-            self._fail_and_rebuild(in_batch + sched.joining, _phase_error("batch update", exc))
-            return False
-        now = time.monotonic()
-        for req in sched.joining:
-            req.in_batch = True
-            if req.queue_time_s is None:  # the first time only: a preempted one rejoins later
-                req.queue_time_s = now - req.queued_at
-        if update is not None:
-            self.num_condense_moves += sum(1 for m in update.moved if m[2].name == "UNIDIRECTIONAL")
-            self.num_swaps += sum(1 for m in update.moved if m[2].name == "SWAP")
-        try:
-            self.processors.update_state(update)
-        except ProcessorError as exc:
-            self._isolate(exc, [self._requests[rid] for rid in self.batch.req_ids], None)
-        return True
+            return self.executor.execute_model(sched)
+        except ExecutorError as exc:
+            self._update_from_output(sched, exc.partial)
+            raise exc.cause from exc
 
-    def _execute(self, rows: list[ScheduledChunk], partial: list[ScheduledChunk]) -> torch.Tensor | None:
-        """The forward over every scheduled chunk; on failure those requests end with `error`."""
-        if not rows and not partial:
-            return None
-        seqs = [
-            ScheduledSeq(c.request.block_ids, c.token_ids, c.start_pos, c.sample, _prompt_positions(c))
-            for c in rows + partial
-        ]
-        try:
-            logits = self.runner.execute(seqs)
-        except Exception as exc:  # noqa: BLE001 - a failed forward fails its sequences, not the engine
-            # Rows leave the batch by the normal removal next step: processor state stays valid.
-            logger.warning("model forward failed: %r; failing its %d sequences", exc, len(seqs))
-            for c in rows + partial:
-                self._finish(c.request, FinishReason.ERROR, error=_phase_error("model forward", exc))
-            return None
-        for c in rows + partial:
+    def _update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Apply the executor's step, in the order it happened: joined rows, failures, KV written,
+        sampled tokens, prompt logprobs."""
+        if out.batch_updated:
+            now = time.monotonic()
+            for req in sched.joining:
+                req.in_batch = True
+                if req.queue_time_s is None:  # the first time only: a preempted one rejoins later
+                    req.queue_time_s = now - req.queued_at
+        self._apply_failures(out.batch_failures)
+        if out.forward_failure is not None:
+            self._apply_failures([out.forward_failure])
+        for c in out.computed:
             c.request.num_computed_tokens = c.start_pos + len(c.token_ids)
             self.kv.register_full_blocks(c.request)
-        self.num_steps += 1
-        return logits
+        if out.computed:
+            self.num_steps += 1
+        self._apply_failures(out.sample_failures)
+        if out.sampled is not None:
+            self._append_samples(out.sampled.rows, out.sampled.output)
+        if out.prompt_logits is not None:
+            self._record_prompt_logprobs(out.prompt_logits.chunks, out.prompt_logits.logits)
 
-    def _sample(
-        self, rows: list[ScheduledChunk], logits: torch.Tensor
-    ) -> tuple[list[ScheduledChunk], SamplerOutput] | None:
-        """The sampler over the batch rows. A processor failure is isolated to its rows and the
-        others are sampled again from the untouched logits; None when no row is left."""
-        # float32 logits are processed in place: keep them intact for the fault path.
-        work = logits.clone() if logits.dtype == torch.float32 else logits
-        while True:
-            try:
-                return rows, self.sampler(work, self.batch.sampling_metadata(), pristine=logits)
-            except ProcessorError as exc:
-                survivors = self._isolate(exc, [c.request for c in rows], logits)
-            except Exception as exc:  # noqa: BLE001 - a sampler failure fails these rows; the batch is rebuilt
-                self._fail_and_rebuild([c.request for c in rows], _phase_error("sampler", exc))
-                return None
-            if not survivors:
-                return None
-            # Every round fails at least one row, so this ends.
-            position = {c.request.request_id: i for i, c in enumerate(rows)}
-            rows = [rows[position[r.request_id]] for r in survivors]
-            logits = logits[torch.tensor([position[r.request_id] for r in survivors], device=logits.device)]
-            work = logits.clone()
+    def _apply_failures(self, failures: Iterable[Failure]) -> None:
+        for failure in failures:
+            for req in failure.requests:
+                self._finish(req, FinishReason.ERROR, error=failure.error)
+            if failure.rebuilt:  # the executor rebuilt its batch: nothing is left to remove from it
+                self.scheduler.forget_batch()
+                self._refresh_validator()
+                self.num_restarts += 1
 
     def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
-        """Fill the parents' prompt logprobs from the extra logits rows (``_prompt_positions`` per chunk)."""
-        counts = [_prompt_positions(c) for c in chunks]
+        """Fill the parents' prompt logprobs from the extra logits rows (``prompt_positions`` per chunk)."""
+        counts = [c.prompt_positions for c in chunks]
         offset = 0
         for chunk, m in zip(chunks, counts):
             if not m:
@@ -439,7 +464,7 @@ class LLMEngine:
             try:
                 self._fill_prompt_logprobs(self._parents[req.parent_id], chunk.start_pos, logits[offset : offset + m])
             except Exception as exc:  # noqa: BLE001 - this request alone ends
-                self._finish(req, FinishReason.ERROR, error=_phase_error("prompt logprobs", exc))
+                self._finish(req, FinishReason.ERROR, error=phase_error("prompt logprobs", exc))
             offset += m
 
     def _fill_prompt_logprobs(self, parent: _Parent, start: int, logits: torch.Tensor) -> None:
@@ -458,11 +483,6 @@ class LLMEngine:
             parent.prompt_logprobs[pos] = self._position_logprobs(len(row_ids) - 1, row_ids, row_vals, rank, names)
         if parent.prompt_logprobs_missing == 0:
             parent.children[0].computes_prompt_logprobs = False
-
-    def _swaps(self, order: list[str]) -> list[tuple[int, int]]:
-        if not self.config.reorder_batch:
-            return []
-        return tail_swaps(order, lambda rid: self._requests[rid].remaining_tokens)
 
     def _append_samples(self, rows: list[ScheduledChunk], out: SamplerOutput) -> None:
         tokens = out.sampled_token_ids.tolist()
@@ -488,7 +508,7 @@ class LLMEngine:
                     req.cumulative_logprob = (req.cumulative_logprob or 0.0) + position[tok].logprob
                 self._check_stop(req, tok)
             except Exception as exc:  # noqa: BLE001 - detokenizer / stop check of this one row
-                self._finish(req, FinishReason.ERROR, error=_phase_error("token append (detokenize, stop check)", exc))
+                self._finish(req, FinishReason.ERROR, error=phase_error("token append (detokenize, stop check)", exc))
             self._parents[req.parent_id].dirty.add(req.index)
 
     def _position_logprobs(
@@ -527,79 +547,13 @@ class LLMEngine:
         self.scheduler.finish(req)
         self._parents[req.parent_id].dirty.add(req.index)
 
-    # -- failure isolation -------------------------------------------------------------------
-    #
-    # A processor that raises in update_state or apply fails only the rows that trigger it:
-    # fresh instances of the processors replay the failing call over halves of the batch
-    # (bisection); rows whose replay still fails are the culprits. The survivors are re-added to
-    # a rebuilt batch state (fresh processors see them as `added` with their live output lists;
-    # seeded rows keep their generators), so they continue exactly as if nothing had happened.
+    # -- failure of a whole step ---------------------------------------------------------------
 
-    def _isolate(self, exc: ProcessorError, reqs: list[Request], logits: torch.Tensor | None) -> list[Request]:
-        """Fail the culprits of ``exc`` among ``reqs`` (batch rows in order); rebuild; return the survivors."""
-        culprits = self._culprits(exc, reqs, logits)
-        logger.warning("%s; failing %d of the %d requests of this step", exc, len(culprits), len(reqs))
-        blamed = {id(r) for r in culprits}
-        survivors = [r for r in reqs if id(r) not in blamed]
-        return self._fail_and_rebuild(culprits, str(exc), survivors)
-
-    def _culprits(self, exc: ProcessorError, reqs: list[Request], logits: torch.Tensor | None) -> list[Request]:
-        """The rows whose replay alone fails; every row when the failure cannot be pinned down."""
-
-        def fails(part: list[int]) -> bool:
-            return self._replay_fails(exc, [reqs[i] for i in part], None if logits is None else logits[part])
-
-        def bisect(part: list[int]) -> list[int]:
-            if not fails(part):
-                return []
-            if len(part) == 1:
-                return part
-            half = len(part) // 2
-            return (bisect(part[:half]) + bisect(part[half:])) or part  # only together: blame them all
-
-        try:
-            rows = bisect(list(range(len(reqs))))
-        except Exception:  # the replay itself broke: blame everyone
-            logger.exception("replaying a processor failure failed")
-            rows = []
-        return [reqs[i] for i in rows] if rows else list(reqs)
-
-    def _replay_fails(self, exc: ProcessorError, reqs: list[Request], logits: torch.Tensor | None) -> bool:
-        """Does the failing call raise again on fresh processors holding only ``reqs``?"""
-        procs = self.processors.fresh(self.config, self.device, self.pin_memory)
-        try:
-            procs.update_state(_added(reqs))
-            if exc.phase == "apply" and logits is not None:
-                x = logits.to(torch.float32, copy=True)
-                for p in procs.every():
-                    if type(p).__name__ == exc.processor:
-                        x = p.apply(x)
-        except Exception:  # noqa: BLE001 - any failure on replay means the processor fails on its own
-            return True
-        return False
-
-    def _fail_and_rebuild(
-        self, failed: Sequence[Request], error: str, survivors: Sequence[Request] = ()
-    ) -> list[Request]:
-        """``failed`` end with `error`; fresh batch, processors and sampler hold only ``survivors``.
-
-        Returns the survivors in the rebuilt batch, in row order.
-        """
-        for req in failed:
-            self._finish(req, FinishReason.ERROR, error=error)
+    def _rebuild(self) -> None:
+        """The executor's batch state starts empty; the scheduler forgets the rows it held."""
         self.scheduler.forget_batch()
         self._build_batch_state()
         self.num_restarts += 1
-        if not survivors:
-            return []
-        # Seeded survivors keep their own generators (held by the request), so their streams go on.
-        rejoin = [(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in survivors]
-        update = self.batch.update([], rejoin)
-        try:
-            self.processors.update_state(update)
-        except ProcessorError as exc:  # another culprit among the survivors: isolate it too
-            return self._isolate(exc, list(survivors), None)
-        return list(survivors)
 
     def _fail_everything(self, exc: Exception, phase: str = "step") -> None:
         """Last resort: every unfinished request ends with `error` and the engine starts clean.
@@ -607,11 +561,11 @@ class LLMEngine:
         Raises (the engine cannot continue) only when rebuilding itself fails.
         """
         logger.exception("engine %s failed; failing every unfinished request", phase)
-        error = _phase_error(phase, exc)
+        error = phase_error(phase, exc)
         for parent in list(self._parents.values()):
             for child in parent.children:
                 self._finish(child, FinishReason.ERROR, error=error)
-        self._fail_and_rebuild([], error)
+        self._rebuild()
 
     # -- outputs out ---------------------------------------------------------------------
 
@@ -623,7 +577,7 @@ class LLMEngine:
             try:
                 deltas = [self._delta(parent.children[i]) for i in sorted(parent.dirty)]
             except Exception as exc:  # noqa: BLE001 - this request's detokenizer broke: it alone ends
-                deltas = self._error_deltas(parent, _phase_error("output collection", exc))
+                deltas = self._error_deltas(parent, phase_error("output collection", exc))
             parent.dirty.clear()
             finished = parent.finished
             out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, deltas, finished)
@@ -668,24 +622,6 @@ class LLMEngine:
         req.new_token_ids = []
         req.new_logprobs = []
         return delta
-
-
-def _prompt_positions(chunk: ScheduledChunk) -> int:
-    """How many leading positions of a chunk give prompt logprobs (each predicts the next prompt token)."""
-    req = chunk.request
-    if not req.computes_prompt_logprobs:
-        return 0
-    return max(0, min(chunk.start_pos + len(chunk.token_ids), req.prompt_len - 1) - chunk.start_pos)
-
-
-def _phase_error(phase: str, exc: BaseException) -> str:
-    return f"engine step failed in {phase}: {type(exc).__name__}: {exc}"
-
-
-def _added(reqs: list[Request]) -> BatchUpdate:
-    """What fresh processors are told about ``reqs`` as rows 0..n-1 (their live output lists)."""
-    added = [(i, r.params, r.prompt_token_ids, r.output_token_ids) for i, r in enumerate(reqs)]
-    return BatchUpdate(batch_size=len(reqs), removed=[], moved=[], added=added)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

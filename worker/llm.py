@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
-from worker.model.loader import LoadedModel
+from worker.model.loader import LoadedModel, embedded_model_path
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.sampling_params import SamplingParams
 
@@ -33,9 +33,12 @@ class LLM:
         device: str | None = EngineConfig.device,
         dtype: str = EngineConfig.dtype,
         seed: int = EngineConfig.seed,
+        tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
         loaded: LoadedModel | None = None,
         **engine_kwargs: Any,
     ) -> None:
+        if model is None and loaded is None:  # offline use with no model named: the embedded one
+            model = str(embedded_model_path())
         config = EngineConfig(
             model=model,
             logits_processors=tuple(logits_processors),
@@ -45,6 +48,7 @@ class LLM:
             device=device,
             dtype=dtype,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             **engine_kwargs,
         )
         self.engine = LLMEngine(config, loaded=loaded)

@@ -39,6 +39,14 @@ class ScheduledChunk:
     # True when this chunk's last position is sampled (decode, or the last chunk of a prefill).
     sample: bool
 
+    @property
+    def prompt_positions(self) -> int:
+        """How many leading positions give prompt logprobs (each predicts the next prompt token)."""
+        req = self.request
+        if not req.computes_prompt_logprobs:
+            return 0
+        return max(0, min(self.start_pos + len(self.token_ids), req.prompt_len - 1) - self.start_pos)
+
 
 @dataclass
 class SchedulerOutput:

@@ -290,10 +290,10 @@ async def amain(args: argparse.Namespace) -> None:
 
     from cluster.cli.launch import deploy, start_serve
     from cluster.config import LogitpoolConfig
-    from worker.model.loader import build_tiny_model, default_model_path
+    from worker.model.loader import embedded_model_path
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
-    model = args.model or str(build_tiny_model(default_model_path()))
+    model = args.model or str(embedded_model_path())
     work = workloads(args)
     runs = [(1, "power_of_two")] + [(n, p) for n in args.replicas for p in args.policies]
     rows: list[Row] = []

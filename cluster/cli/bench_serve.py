@@ -64,9 +64,9 @@ def fmt(name: str, n: int, r: Latency, base: Latency | None) -> str:
 async def amain(args: argparse.Namespace) -> None:
     from worker.async_engine import AsyncEngine
     from worker.config import EngineConfig
-    from worker.model.loader import build_tiny_model, default_model_path, load_model
+    from worker.model.loader import embedded_model_path, load_model
 
-    model = args.model or str(build_tiny_model(default_model_path()))
+    model = args.model or str(embedded_model_path())
     http_base, grpc_target = args.http, args.grpc
     if http_base is None or grpc_target is None:
         from cluster.cli.launch import start_serve, wait_ready

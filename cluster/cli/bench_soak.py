@@ -610,9 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--outcomes", help="write every request's outcome to this file (JSON lines)")
     args = p.parse_args(argv)
     from cluster.cli.launch import start_serve, wait_ready
-    from worker.model.loader import build_tiny_model, default_model_path
+    from worker.model.loader import embedded_model_path
 
-    cfg = soak_config(str(build_tiny_model(default_model_path())), args.http_port, args.grpc_port)
+    cfg = soak_config(str(embedded_model_path()), args.http_port, args.grpc_port)
     cfg = start_serve(cfg)
     wait_ready("127.0.0.1", cfg.server.http_port, 300.0)
     report = asyncio.run(

@@ -38,6 +38,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     p.add_argument("--grpc-port", type=int)
     p.add_argument("--address", help="Ray cluster to join (e.g. auto, ray://host:10001); default: start a local one")
     p.add_argument("--max-num-seqs", type=int, help=f"rows per worker batch (default {EngineConfig.max_num_seqs})")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        help=f"ranks each worker replica shards the model over (default {EngineConfig.tensor_parallel_size})",
+    )
     p.add_argument("--session", type=Path, help="where `status`/`scale` find this server (default: the cache's)")
 
 
@@ -54,6 +59,8 @@ def build_config(args: argparse.Namespace) -> LogitpoolConfig:
         o["engine.logits_processors"] = tuple(args.logits_processors)
     if args.max_num_seqs:
         o["engine.max_num_seqs"] = args.max_num_seqs
+    if getattr(args, "tensor_parallel_size", None) is not None:
+        o["engine.tensor_parallel_size"] = args.tensor_parallel_size
     if args.num_replicas is not None:
         o["workers.num_replicas"] = args.num_replicas
         o["workers.autoscaling"] = None
@@ -301,8 +308,10 @@ def _main(argv: list[str] | None) -> int:
     g.add_argument("--extra-args", help="JSON object for custom logits processors")
     g.add_argument("--api-key")
     g.add_argument("--timeout", type=float, default=120.0)
-    b = sub.add_parser("bench", help="benchmarks: sampler | engine | serve | soak | processors | structured | routing")
-    b.add_argument("what", choices=["sampler", "engine", "serve", "soak", "processors", "structured", "routing"])
+    b = sub.add_parser(
+        "bench", help="benchmarks: sampler | engine | serve | soak | processors | structured | routing | tp"
+    )
+    b.add_argument("what", choices=["sampler", "engine", "serve", "soak", "processors", "structured", "routing", "tp"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cmd != "bench":
@@ -331,6 +340,8 @@ def _main(argv: list[str] | None) -> int:
         from worker.bench.structured import main as bench_main
     elif args.what == "routing":
         from cluster.cli.bench_routing import main as bench_main
+    elif args.what == "tp":
+        from worker.bench.tensor_parallel import main as bench_main
     else:
         from cluster.cli.bench_serve import main as bench_main
     return bench_main(args.rest) or 0

@@ -47,6 +47,19 @@ def app_args(cfg: LogitpoolConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json", exclude=exclude)
 
 
+def rank_placement(cfg: LogitpoolConfig) -> dict[str, Any]:
+    """A tensor-parallel replica is one placement group of one bundle per rank (each a rank's CPUs
+    and GPU), all on one node (STRICT_PACK); the replica itself, rank 0, takes the first bundle.
+    Serve reserves and releases the group with its replica, so scaling adds whole groups."""
+    ranks = cfg.engine.tensor_parallel_size
+    if ranks == 1:
+        return {}
+    bundle: dict[str, float] = {"CPU": cfg.workers.num_cpus}
+    if cfg.workers.num_gpus:
+        bundle["GPU"] = cfg.workers.num_gpus
+    return {"placement_group_bundles": [bundle] * ranks, "placement_group_strategy": "STRICT_PACK"}
+
+
 def routing_policy(cfg: LogitpoolConfig) -> Policy:
     """`routing.policy`, or its default for the pool's size (cluster.routing.config)."""
     workers = cfg.workers
@@ -77,7 +90,7 @@ def deployment_options(cfg: LogitpoolConfig, router_class: str = ROUTER_CLASS) -
             "request_routing_stats_period_s": cfg.routing.stats_period_s,
         }
     return {
-        WORKER_DEPLOYMENT: worker,
+        WORKER_DEPLOYMENT: {**worker, **rank_placement(cfg)},
         INGRESS_DEPLOYMENT: {
             "num_replicas": cfg.ingress.num_replicas,
             "max_ongoing_requests": cfg.ingress.max_ongoing_requests,

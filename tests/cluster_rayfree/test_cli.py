@@ -40,9 +40,12 @@ def test_flags_override_the_config():
             "9100",
             "--host",
             "0.0.0.0",
+            "--tensor-parallel-size",
+            "2",
         )
     )
     assert cfg.engine.model == "m" and cfg.engine.logits_processors == ("a.b:C", "d.e:F")
+    assert cfg.engine.tensor_parallel_size == 2 and build_config(parse()).engine.tensor_parallel_size == 1
     assert cfg.workers.num_replicas == 3 and cfg.workers.autoscaling is None
     assert (cfg.server.host, cfg.server.http_port, cfg.server.grpc_port) == ("0.0.0.0", 8100, 9100)
     auto = build_config(parse("--autoscale", "1", "4"))

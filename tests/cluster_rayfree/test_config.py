@@ -167,6 +167,8 @@ def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
         "enable_prefix_caching": False,
         "scheduling_policy": "priority",
         "stream_buffer_outputs": 8,
+        "tensor_parallel_size": 2,
+        "collective_timeout_s": 30.0,
     }
     assert set(fields) == {f.name for f in dataclasses.fields(EngineConfig)}
     cfg = LogitpoolConfig.model_validate({"engine": fields})
@@ -179,13 +181,14 @@ def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
 # ---- YAML round trip ---------------------------------------------------------------------------
 
 _configs = st.builds(
-    lambda seqs, extra, replicas, auto, gpus, port, procs, model: LogitpoolConfig.model_validate(
+    lambda seqs, extra, replicas, auto, gpus, port, procs, model, ranks: LogitpoolConfig.model_validate(
         {
             "engine": {
                 "model": model,
                 "max_num_seqs": seqs,
                 "max_num_batched_tokens": seqs + extra,
                 "logits_processors": procs,
+                "tensor_parallel_size": ranks,
             },
             "workers": (
                 {"autoscaling": {"min_replicas": auto[0], "max_replicas": auto[0] + auto[1]}, "num_gpus": gpus}
@@ -203,6 +206,7 @@ _configs = st.builds(
     st.integers(1, 65534),
     st.lists(st.sampled_from(["a.b:C", "pkg.mod:Proc", "x:Y.Z"]), max_size=3),
     st.one_of(st.none(), st.sampled_from(["gpt2", "/models/qwen", "Qwen/Qwen2.5-0.5B"])),
+    st.sampled_from([1, 2, 4]),
 )
 
 
@@ -251,6 +255,14 @@ def test_serve_config_is_valid_and_carries_the_config(cfg: LogitpoolConfig) -> N
     worker = deployments[WORKER_DEPLOYMENT]
     assert worker.max_ongoing_requests == cfg.worker_max_ongoing_requests >= cfg.engine.max_num_seqs
     assert worker.ray_actor_options.num_gpus == cfg.workers.num_gpus
+    ranks = cfg.engine.tensor_parallel_size
+    if ranks == 1:
+        assert "placement_group_bundles" not in data["applications"][0]["deployments"][0]
+    else:  # one bundle per rank, on one node; the replica (rank 0) fits the first
+        assert worker.placement_group_strategy == "STRICT_PACK"
+        assert worker.placement_group_bundles is not None and len(worker.placement_group_bundles) == ranks
+        gpus = {b.get("GPU", 0.0) for b in worker.placement_group_bundles}
+        assert gpus == {cfg.workers.num_gpus} and worker.placement_group_bundles[0]["CPU"] == cfg.workers.num_cpus
     if cfg.workers.autoscaling is None:
         assert worker.num_replicas == (cfg.workers.num_replicas or 1)
         assert "autoscaling_config" not in data["applications"][0]["deployments"][0]

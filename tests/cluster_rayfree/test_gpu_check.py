@@ -84,7 +84,7 @@ def test_a_replica_given_no_gpu_runs_on_cpu_where_cuda_is_visible(monkeypatch, c
 
 @pytest.mark.parametrize("gpus", [1.5, 2, 8])
 def test_more_than_one_gpu_per_replica_is_refused(gpus):
-    with pytest.raises(ValueError, match=r"workers.num_gpus: .*tensor parallelism is not supported yet"):
+    with pytest.raises(ValueError, match=r"workers.num_gpus: .*engine.tensor_parallel_size"):
         LogitpoolConfig.model_validate({"workers": {"num_gpus": gpus}})
     assert LogitpoolConfig.model_validate({"workers": {"num_gpus": 0.5}}).workers.num_gpus == 0.5
 

@@ -29,6 +29,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "logitpool"
 GPU_VALUES = CHART / "ci" / "gpu-autoscaling-values.yaml"
+TP_VALUES = CHART / "ci" / "gpu-tensor-parallel-values.yaml"
 CRD = REPO.parent / "shared" / "data" / "kuberay" / "ray.io_rayservices.yaml"
 RELEASE, NAMESPACE = "lp", "serving"
 
@@ -82,6 +83,18 @@ GPU_EQUIVALENT = {
     },
     "ingress": {"num_replicas": 2, "num_cpus": 0.5, "max_ongoing_requests": 4096, "max_queued_requests": -1},
     "server": {"host": "0.0.0.0", "http_port": 8080, "grpc_port": 50051},
+}
+TP_EQUIVALENT = {
+    **DEFAULT_EQUIVALENT,
+    "engine": {
+        **DEFAULT_EQUIVALENT["engine"],
+        "model": "/models/Llama-3.1-70B-Instruct",
+        "dtype": "bfloat16",
+        "max_model_len": 8192,
+        "tensor_parallel_size": 4,
+        "collective_timeout_s": 120.0,
+    },
+    "workers": {**DEFAULT_EQUIVALENT["workers"], "num_replicas": 2, "num_cpus": 4},
 }
 
 
@@ -151,13 +164,20 @@ def container(group: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
-CASES = ["default", "gpu-autoscaling"]
+CASES = ["default", "gpu-autoscaling", "gpu-tensor-parallel"]
+
+
+def _case_values(which: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A case's chart values and the LogitpoolConfig they stand for."""
+    if which == "default":
+        return {}, DEFAULT_EQUIVALENT
+    path, expected = (GPU_VALUES, GPU_EQUIVALENT) if which == "gpu-autoscaling" else (TP_VALUES, TP_EQUIVALENT)
+    return helm_python.values_from_yaml(path.read_text(encoding="utf-8")), expected
 
 
 @pytest.fixture(scope="module", params=CASES)
-def case(request: pytest.FixtureRequest, chart: Any, gpu_values: dict[str, Any]) -> tuple[dict, list, dict]:
-    values = {} if request.param == "default" else gpu_values
-    expected = DEFAULT_EQUIVALENT if request.param == "default" else GPU_EQUIVALENT
+def case(request: pytest.FixtureRequest, chart: Any) -> tuple[dict, list, dict]:
+    values, expected = _case_values(request.param)
     return values, objects(render(chart, values)), expected
 
 
@@ -165,8 +185,8 @@ def case(request: pytest.FixtureRequest, chart: Any, gpu_values: dict[str, Any])
 
 
 @pytest.mark.parametrize("which", CASES)
-def test_lint_strict_is_clean(which: str, gpu_values: dict[str, Any]) -> None:
-    report = helm_python.lint(CHART, {} if which == "default" else gpu_values, strict=True)
+def test_lint_strict_is_clean(which: str) -> None:
+    report = helm_python.lint(CHART, _case_values(which)[0], strict=True)
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
@@ -304,7 +324,7 @@ def test_scaling_bounds_drive_serve_and_pods_together(case: tuple) -> None:
 def test_gpus_become_limits_and_a_toleration(case: tuple) -> None:
     _, docs, expected = case
     group = worker_group(only(docs, "RayService"))
-    gpus = expected["workers"]["num_gpus"]
+    gpus = expected["workers"]["num_gpus"] * expected["engine"].get("tensor_parallel_size", 1)  # every rank's
     assert container(group)["resources"]["limits"]["nvidia.com/gpu"] == gpus
     tolerations = group["template"]["spec"]["tolerations"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations

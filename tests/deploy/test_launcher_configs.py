@@ -18,6 +18,7 @@ from cluster.config import LogitpoolConfig
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "cluster" / "ray-up.gpu.yaml"
+GPU_TP = REPO / "cluster" / "ray-up.gpu-tp.yaml"
 LOCAL = REPO / "cluster" / "ray-up.local.yaml"
 HEREDOC = re.compile(r"cat > ~/logitpool\.yaml <<'EOF'\n(?P<body>.*?)\nEOF\n?$", re.S)
 
@@ -40,7 +41,7 @@ def validator() -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(schema)
 
 
-@pytest.mark.parametrize("path", [GPU, LOCAL], ids=["gpu", "local"])
+@pytest.mark.parametrize("path", [GPU, GPU_TP, LOCAL], ids=["gpu", "gpu-tp", "local"])
 def test_valid_under_rays_schema_and_prepare_step(path: Path, validator: jsonschema.Draft7Validator) -> None:
     from ray.autoscaler._private.util import prepare_config, validate_config
 
@@ -49,14 +50,14 @@ def test_valid_under_rays_schema_and_prepare_step(path: Path, validator: jsonsch
     validate_config(prepare_config(copy.deepcopy(cfg)))  # what `ray up` runs before launching
 
 
-@pytest.mark.parametrize("path", [GPU, LOCAL], ids=["gpu", "local"])
+@pytest.mark.parametrize("path", [GPU, GPU_TP, LOCAL], ids=["gpu", "gpu-tp", "local"])
 def test_the_schema_check_has_teeth(path: Path, validator: jsonschema.Draft7Validator) -> None:
     for bad in ({"min_workers": 1}, {"setup_command": []}):
         with pytest.raises(jsonschema.ValidationError, match="Additional properties"):
             validator.validate(load(path) | bad)
 
 
-@pytest.mark.parametrize("path", [GPU, LOCAL], ids=["gpu", "local"])
+@pytest.mark.parametrize("path", [GPU, GPU_TP, LOCAL], ids=["gpu", "gpu-tp", "local"])
 def test_installs_torch_then_logitpool_with_serve_extras(path: Path) -> None:
     commands = load(path)["setup_commands"]
     torch = [i for i, c in enumerate(commands) if re.search(r"pip install .*torch==2\.13\.0", c)]
@@ -64,7 +65,7 @@ def test_installs_torch_then_logitpool_with_serve_extras(path: Path) -> None:
     assert torch and package and torch[0] < package[0]
 
 
-@pytest.mark.parametrize("path", [GPU, LOCAL], ids=["gpu", "local"])
+@pytest.mark.parametrize("path", [GPU, GPU_TP, LOCAL], ids=["gpu", "gpu-tp", "local"])
 def test_start_commands_set_auth_mode_and_disable_usage_stats(path: Path) -> None:
     cfg = load(path)
     for key, role in [("head_start_ray_commands", "--head"), ("worker_start_ray_commands", "--address=")]:
@@ -76,7 +77,7 @@ def test_start_commands_set_auth_mode_and_disable_usage_stats(path: Path) -> Non
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in cfg["head_start_ray_commands"][-1]
 
 
-@pytest.mark.parametrize("path", [GPU, LOCAL], ids=["gpu", "local"])
+@pytest.mark.parametrize("path", [GPU, GPU_TP, LOCAL], ids=["gpu", "gpu-tp", "local"])
 def test_the_written_logitpool_config_is_valid(path: Path) -> None:
     bodies = [m["body"] for c in load(path)["setup_commands"] if (m := HEREDOC.search(c))]
     assert len(bodies) == 1
@@ -84,8 +85,9 @@ def test_the_written_logitpool_config_is_valid(path: Path) -> None:
     assert cfg.engine.model and cfg.server.host == "0.0.0.0"
 
 
-def test_gpu_cluster_shape() -> None:
-    cfg = load(GPU)
+@pytest.mark.parametrize("path", [GPU, GPU_TP], ids=["gpu", "gpu-tp"])
+def test_gpu_cluster_shape(path: Path) -> None:
+    cfg = load(path)
     nodes = cfg["available_node_types"]
     head = nodes[cfg["head_node_type"]]
     assert head["resources"].get("GPU", 0) == 0 and head["resources"]["CPU"] > 0
@@ -94,16 +96,21 @@ def test_gpu_cluster_shape() -> None:
     assert 0 <= gpu_type["min_workers"] <= gpu_type["max_workers"] <= cfg["max_workers"]
     assert cfg["provider"]["type"] == "aws" and cfg["provider"]["region"]
     assert cfg["docker"]["image"] == f"rayproject/ray:{ray_pin()}-py311-gpu"
-    # The deployment it writes fits the nodes: one GPU per replica, replicas within the node bounds.
+    # The deployment it writes fits the nodes: a replica's ranks (one GPU each) on one node, as
+    # many replicas as the nodes hold.
     body = next(m["body"] for c in cfg["setup_commands"] if (m := HEREDOC.search(c)))
     lp = LogitpoolConfig.model_validate(yaml.safe_load(body))
-    assert 0 < lp.workers.num_gpus <= gpu_type["resources"]["GPU"]
+    ranks, gpus = lp.engine.tensor_parallel_size, gpu_type["resources"]["GPU"]
+    assert 0 < lp.workers.num_gpus * ranks <= gpus and lp.workers.num_cpus * ranks <= gpu_type["resources"]["CPU"]
+    per_node = int(gpus // (lp.workers.num_gpus * ranks))
     auto = lp.workers.autoscaling
-    assert auto is not None and auto.max_replicas <= gpu_type["max_workers"] * gpu_type["resources"]["GPU"]
+    assert auto is not None and auto.max_replicas <= gpu_type["max_workers"] * per_node
+    assert (ranks > 1) == (path == GPU_TP)
 
 
-def test_gpu_operator_settings_come_first() -> None:
-    text = GPU.read_text(encoding="utf-8")
+@pytest.mark.parametrize("path", [GPU, GPU_TP], ids=["gpu", "gpu-tp"])
+def test_gpu_operator_settings_come_first(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
     marker = text.index("Usually left as is")
     for setting in [
         "cluster_name:",

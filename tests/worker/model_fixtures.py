@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from worker.config import EngineConfig
-from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model
+from worker.model.loader import LoadedModel, embedded_model_path, load_model
 
 DEVICE_ENV = "LOGITPOOL_TEST_DEVICE"
 # The KV pool of each test engine on a GPU: far more than any test's requests need.
@@ -44,7 +44,7 @@ def engine_config(**kw: Any) -> EngineConfig:
 
 @functools.cache
 def tiny_model_path() -> Path:
-    return build_tiny_model(default_model_path())
+    return embedded_model_path()
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from worker.bench.peer_model import peer_model_path
-from worker.model.loader import build_tiny_model, default_model_path
+from worker.model.loader import embedded_model_path
 
 HERE = Path(__file__).resolve().parents[2]  # this checkout's root
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child run")
     args = p.parse_args(argv)
-    model = peer_model_path() if args.model_size == "80m" else build_tiny_model(default_model_path())
+    model = peer_model_path() if args.model_size == "80m" else embedded_model_path()
     spec = {
         "model": str(model),
         "concurrency": args.concurrency,

@@ -28,7 +28,7 @@ from worker.bench.peer import PeerWorkload, run_peer, same_tokens
 from worker.bench.peer_model import peer_model_path
 from worker.config import SCHEDULING_POLICIES, EngineConfig
 from worker.llm import LLM
-from worker.model.loader import LoadedModel, build_tiny_model, default_model_path, load_model
+from worker.model.loader import LoadedModel, embedded_model_path, load_model
 from worker.sampling_params import SamplingParams
 
 
@@ -108,7 +108,7 @@ async def soak(engine: AsyncEngine, loaded: LoadedModel, n: int, concurrency: in
 def model_path(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
-    return str(peer_model_path() if args.model_size == "80m" else build_tiny_model(default_model_path()))
+    return str(peer_model_path() if args.model_size == "80m" else embedded_model_path())
 
 
 async def amain(args: argparse.Namespace) -> None:

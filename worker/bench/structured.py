@@ -296,9 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoTokenizer
 
-    from worker.model.loader import build_tiny_model, default_model_path
+    from worker.model.loader import embedded_model_path
 
-    path = args.model or str(build_tiny_model(default_model_path()))
+    path = args.model or str(embedded_model_path())
     tokenizer = AutoTokenizer.from_pretrained(path)
     vocab_size = AutoConfig.from_pretrained(path).vocab_size
     s = step_costs(tokenizer, vocab_size, args.batch_size, args.steps)

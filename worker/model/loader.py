@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.config import DTYPE_NAMES
+from worker.model.shard import ShardLayout
 
 if TYPE_CHECKING:  # transformers loads lazily, in the functions that need it
     from transformers import (
@@ -68,6 +69,8 @@ class LoadedModel:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
+    # One rank's shard of a tensor-parallel group (worker.model.shard); None: the whole model.
+    shard: ShardLayout | None = None
 
 
 def default_model_path() -> Path:
@@ -352,6 +355,12 @@ def build_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def embedded_model_path() -> Path:
+    """The embedded tiny model, built on first use: what the CLI, the app, benches and tests run
+    when no model is named (the engine itself always takes a named one)."""
+    return build_tiny_model(default_model_path())
 
 
 # --------------------------------------------------------------------------- limits

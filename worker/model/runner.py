@@ -45,9 +45,11 @@ class ScheduledSeq:
 
 
 def kv_shape(loaded: LoadedModel) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of the model's attention."""
+    """(layers, kv_heads, head_dim) of the model's attention (a shard's KV heads, for a shard)."""
     text = loaded.config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if loaded.shard is not None:
+        kv_heads = loaded.shard.kv_heads_per_rank
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return int(text.num_hidden_layers), int(kv_heads), int(head_dim)
 
@@ -112,6 +114,17 @@ class ModelRunner:
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    def healthy(self) -> bool:
+        """Whether it can run a step (one process: always; a tensor-parallel group: every rank up)."""
+        return True
+
+    def rank_pids(self) -> list[int]:
+        """The processes of the other ranks (none in one process)."""
+        return []
+
+    def close(self) -> None:
+        """Nothing to release in one process (a tensor-parallel runner stops its ranks)."""
 
     # ------------------------------------------------------------------ step
 

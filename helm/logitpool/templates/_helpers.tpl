@@ -138,6 +138,8 @@ applications:
         enable_prefix_caching: {{ $v.engine.enablePrefixCaching | toJson }}
         scheduling_policy: {{ $v.engine.schedulingPolicy | toJson }}
         stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}
+        tensor_parallel_size: {{ $v.engine.tensorParallelSize | toJson }}
+        collective_timeout_s: {{ $v.engine.collectiveTimeoutS | toJson }}
       workers:
         {{- if $a.enabled }}
         num_replicas: null
@@ -192,6 +194,17 @@ applications:
           request_router_class: cluster.routing.router:CacheAwareRouter
           request_router_kwargs: {{ omit $v.routing "policy" | toJson }}
           request_routing_stats_period_s: {{ $v.routing.stats_period_s | toJson }}
+        {{- end }}
+        {{- if gt (int $v.engine.tensorParallelSize) 1 }}
+        # cluster/deploy/serve_config.py rank_placement: one bundle per rank, all on one node.
+        placement_group_bundles:
+          {{- range until (int $v.engine.tensorParallelSize) }}
+          - CPU: {{ $w.cpus | toJson }}
+            {{- if gt (int $w.gpus) 0 }}
+            GPU: {{ $w.gpus | toJson }}
+            {{- end }}
+          {{- end }}
+        placement_group_strategy: STRICT_PACK
         {{- end }}
       - name: LogitpoolIngress
         num_replicas: {{ $v.ingress.replicas | toJson }}

@@ -1,0 +1,313 @@
+"""Tensor parallelism inside one worker replica: rank 0 in the engine's process, ranks 1..N-1 as
+processes it starts (``spawn``), joined by one torch.distributed group (gloo on CPU, NCCL on GPU).
+
+Rank 0 keeps the scheduler, the persistent batch, the processors and the sampler; every rank holds
+a shard of every layer and of its KV cache (``worker.model.shard``). Each step rank 0 rings the
+other ranks (a byte on a pipe: an idle engine is not a collective that times out) and broadcasts
+the step's inputs once, as one int32 tensor: for every scheduled sequence its block table, token
+ids, start position and what it returns. From those every rank builds the same step metadata
+(positions, slots, the cascade split) with the same code, runs its shard, and the collectives
+inside the forward join them; rank 0 alone gets the gathered logits.
+
+A rank that dies, or a collective that times out (``collective_timeout_s``), breaks the group: the
+step's requests fail, every later step fails at once, and ``healthy`` turns false, so the replica
+is replaced. A rank whose parent process is gone exits on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from worker.config import EngineConfig
+from worker.model.loader import LoadedModel, load_model, resolve_device
+from worker.model.runner import ModelRunner, ScheduledSeq
+from worker.model.shard import CommStats, ShardLayout, shard_model
+
+logger = logging.getLogger(__name__)
+
+_HEADER = 2  # [number of sequences, int32s used]
+_PER_SEQ = 5  # [blocks, tokens, start_pos, sample, prompt_logits], then the blocks and the tokens
+_STEP, _STOP = "step", "stop"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to load its shard (sent to each rank process at start)."""
+
+    model: str
+    dtype: str
+    device_type: str  # "cpu" or "cuda" (rank r uses cuda:r)
+    world_size: int
+    init_file: str  # the group's rendezvous (one node: a file)
+    timeout_s: float
+    parent_pid: int
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """The KV pool and step limits, decided on rank 0 once every shard is loaded."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    capacity: int  # int32s of the step broadcast
+
+
+def step_capacity(config: EngineConfig, max_model_len: int) -> int:
+    """The longest step, encoded: every sequence's header and block table, and the token budget."""
+    blocks = -(-max_model_len // config.block_size)
+    return _HEADER + config.max_num_seqs * (_PER_SEQ + blocks) + config.max_num_batched_tokens
+
+
+def encode_step(seqs: list[ScheduledSeq], out: torch.Tensor, block_size: int) -> None:
+    """``seqs`` into ``out`` (each block table cut to the blocks the step touches)."""
+    flat: list[int] = [len(seqs), 0]
+    for s in seqs:
+        used = -(-(s.start_pos + len(s.token_ids)) // block_size)
+        flat += [used, len(s.token_ids), s.start_pos, int(s.sample), s.prompt_logits]
+        flat += s.block_ids[:used]
+        flat += s.token_ids
+    if len(flat) > out.numel():
+        raise ValueError(f"a step of {len(flat)} int32s exceeds the broadcast's {out.numel()}")
+    flat[1] = len(flat)
+    out[: len(flat)].copy_(torch.tensor(flat, dtype=torch.int32))
+
+
+def decode_step(buf: torch.Tensor) -> list[ScheduledSeq]:
+    """The sequences ``encode_step`` wrote."""
+    n, used = buf[:_HEADER].tolist()
+    flat = buf[:used].tolist()
+    seqs, i = [], _HEADER
+    for _ in range(n):
+        blocks, tokens, start, sample, prompt = flat[i : i + _PER_SEQ]
+        i += _PER_SEQ
+        table = flat[i : i + blocks]
+        ids = flat[i + blocks : i + blocks + tokens]
+        i += blocks + tokens
+        seqs.append(ScheduledSeq(table, ids, start, bool(sample), prompt))
+    return seqs
+
+
+def _rank_device(device_type: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def _init_group(spec: RankSpec, rank: int) -> None:
+    backend = "nccl" if spec.device_type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{spec.init_file}",
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+
+
+def load_shard(spec: RankSpec, rank: int, stats: CommStats) -> LoadedModel:
+    """Load the whole checkpoint on the host, keep rank ``rank``'s shard, move it to its device."""
+    loaded = load_model(spec.model, device="cpu", dtype=spec.dtype)
+    layout = ShardLayout.of(loaded.config, rank, spec.world_size)
+    shard_model(loaded.model, layout, stats)
+    device = _rank_device(spec.device_type, rank)
+    loaded.model.to(device)
+    return dataclasses.replace(loaded, device=device, shard=layout)
+
+
+# -- ranks 1..N-1 ---------------------------------------------------------------------------
+
+
+def _recv(conn: Connection, parent_pid: int) -> Any:
+    """The next message from rank 0; exits when rank 0's process is gone."""
+    while not conn.poll(1.0):
+        if os.getppid() != parent_pid:
+            raise SystemExit(0)
+    return conn.recv()
+
+
+def rank_main(rank: int, spec: RankSpec, conn: Connection) -> None:
+    """A rank process: load the shard, build its runner, run every step rank 0 rings for."""
+    try:
+        if spec.device_type == "cpu":  # the ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+        _init_group(spec, rank)
+        loaded = load_shard(spec, rank, CommStats())
+        conn.send(("loaded", None))
+        rs: RunnerSpec = _recv(conn, spec.parent_pid)
+        runner = ModelRunner(loaded, num_blocks=rs.num_blocks, block_size=rs.block_size, max_model_len=rs.max_model_len)
+        buf = torch.zeros(rs.capacity, dtype=torch.int32, device=loaded.device)
+        conn.send(("ready", None))
+        while _recv(conn, spec.parent_pid) == _STEP:
+            dist.broadcast(buf, src=0)
+            runner.execute(decode_step(buf.cpu()))
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - told to rank 0, which fails the group
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+# -- rank 0 -----------------------------------------------------------------------------------
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the group: the rank processes, their pipes, the step broadcast."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.model is None:
+            raise ValueError("model: a tensor-parallel engine loads its shards from a named model")
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: this process already holds a torch.distributed group")
+        self.world_size = config.tensor_parallel_size
+        self.timeout_s = config.collective_timeout_s
+        self.stats = CommStats()
+        self.broken: str | None = None
+        device = resolve_device(config.device)
+        visible = torch.cuda.device_count() if device.type == "cuda" else self.world_size
+        if visible < self.world_size:  # rank r runs on cuda:r of this process's devices
+            raise ValueError(
+                f"tensor_parallel_size: {self.world_size} ranks need {self.world_size} visible GPUs, this process "
+                f"sees {visible} (a Ray replica sees only its own bundle's GPU: GPU ranks as Ray actors are not built)"
+            )
+        self._dir = tempfile.mkdtemp(prefix="logitpool-tp-")
+        self.spec = RankSpec(
+            config.model,
+            config.dtype,
+            device.type,
+            self.world_size,
+            os.path.join(self._dir, "rendezvous"),
+            config.collective_timeout_s,
+            os.getpid(),
+        )
+        ctx = mp.get_context("spawn")
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        try:
+            for rank in range(1, self.world_size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=rank_main, args=(rank, self.spec, theirs), daemon=True, name=f"tp-rank-{rank}"
+                )
+                proc.start()
+                theirs.close()
+                self._procs.append(proc)
+                self._conns.append(ours)
+            _init_group(self.spec, 0)
+            self.loaded = load_shard(self.spec, 0, self.stats)
+            self._expect("loaded")
+        except BaseException:
+            self.close()
+            raise
+        self._buf: torch.Tensor | None = None
+
+    def _expect(self, what: str) -> None:
+        """Every rank reports ``what`` within the timeout, or the group fails to start."""
+        for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(self.timeout_s):
+                raise RuntimeError(f"tensor-parallel rank {rank} did not report {what!r} in {self.timeout_s:g} s")
+            kind, detail = conn.recv()
+            if kind != what:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{detail}")
+
+    def runner(self, *, num_blocks: int, block_size: int, max_model_len: int, capacity: int) -> TensorParallelRunner:
+        spec = RunnerSpec(num_blocks, block_size, max_model_len, capacity)
+        for conn in self._conns:
+            conn.send(spec)
+        runner = TensorParallelRunner(
+            self.loaded, self, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len
+        )
+        self._buf = torch.zeros(capacity, dtype=torch.int32, device=self.loaded.device)
+        self._expect("ready")
+        return runner
+
+    def pids(self) -> list[int]:
+        """The rank processes' ids (ranks 1..N-1)."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def healthy(self) -> bool:
+        if self.broken is None and not all(p.is_alive() for p in self._procs):
+            dead = [p.name for p in self._procs if not p.is_alive()]
+            self.broken = f"tensor-parallel ranks exited: {', '.join(dead)}"
+        return self.broken is None
+
+    def begin_step(self, seqs: list[ScheduledSeq], block_size: int) -> None:
+        """Ring every rank and broadcast the step's inputs; raises once the group is broken."""
+        if not self.healthy():
+            raise RuntimeError(self.broken)
+        assert self._buf is not None
+        encode_step(seqs, self._buf, block_size)
+        try:
+            for conn in self._conns:
+                conn.send(_STEP)
+            buf = self._buf
+            self.stats.timed("broadcast", buf, lambda: dist.broadcast(buf, src=0))
+        except Exception as exc:
+            self.broken = f"tensor-parallel step broadcast failed: {exc}"
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        """A collective inside the forward failed: the ranks are out of step for good."""
+        self.broken = f"tensor-parallel forward failed: {type(exc).__name__}: {exc}"
+
+    def close(self) -> None:
+        """Stop every rank (and kill those that do not stop in time); leave the group."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(_STOP)
+        for proc in self._procs:
+            proc.join(self.timeout_s if self.broken is None else 1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        self._procs, self._conns = [], []
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: the step goes to every rank first, then rank 0 runs its own shard."""
+
+    def __init__(self, loaded: LoadedModel, group: TensorParallelGroup, **kw: Any) -> None:
+        super().__init__(loaded, **kw)
+        self.group = group
+
+    def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        if not seqs:
+            return super().execute(seqs)
+        self._check(seqs)  # a step the other ranks would refuse never reaches them
+        self.group.begin_step(list(seqs), self.block_size)
+        try:
+            return super().execute(seqs)
+        except Exception as exc:
+            self.group.fail(exc)
+            raise
+
+    def healthy(self) -> bool:
+        return self.group.healthy()
+
+    def rank_pids(self) -> list[int]:
+        return self.group.pids()
+
+    def close(self) -> None:
+        self.group.close()
