@@ -529,10 +529,13 @@ class LLMEngine:
         p = req.params
         n_out = len(req.output_token_ids)
         past_min = n_out >= p.min_tokens
-        stop_str = req.detokenizer.update(tok, check_stop=past_min)
         if past_min and tok in p.all_stop_token_ids:
+            # The stop token (EOS or a stop_token_ids one) stays in token_ids but not in the
+            # text, as vLLM: its text (`<|eos|>` with skip_special_tokens off) is no answer.
             self._finish(req, FinishReason.STOP, stop_reason=tok if tok in p.stop_token_ids else None)
-        elif stop_str is not None:
+            return
+        stop_str = req.detokenizer.update(tok, check_stop=past_min)
+        if stop_str is not None:
             self._finish(req, FinishReason.STOP, stop_reason=stop_str)
         elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, FinishReason.LENGTH)

@@ -456,3 +456,27 @@ def test_queue_time_is_reported_on_a_sequences_last_output(tiny_model):
     assert set(queue) == {"q0", "q1"} and queue["q0"] >= 0.0
     # q1 was admitted only after q0's last step: it waited through q0's whole run.
     assert queue["q1"] > queue["q0"]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_stop_token_stays_in_the_token_ids_but_not_the_text(tiny_model, skip_special_tokens):
+    """As vLLM: the token that stops a sequence (EOS, or one of stop_token_ids) is not rendered,
+    so `<|eos|>` never ends an answer, even with special tokens kept."""
+    llm = make_llm(tiny_model)
+    tok = tiny_model.tokenizer
+    eos = tok.eos_token_id
+    prompt = prompts_of(tiny_model, 1, seed=21)[0]
+    plain = tok.convert_tokens_to_ids(tok.tokenize(" the"))[-1]
+    for stop_tok, kw in ((eos, {}), (plain, {"stop_token_ids": [plain]})):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=6,
+            min_tokens=2,
+            logit_bias={stop_tok: 100.0},
+            skip_special_tokens=skip_special_tokens,
+            **kw,
+        )
+        (c,) = llm.generate([prompt], params)[0].outputs
+        assert c.finish_reason == "stop" and c.token_ids[-1] == stop_tok and len(c.token_ids) == 3, c
+        expected = tok.decode(c.token_ids[:-1], skip_special_tokens=skip_special_tokens)
+        assert c.text == expected and not c.text.endswith(tok.decode([stop_tok]))
