@@ -61,6 +61,8 @@ def _mapping() -> dict[tuple[str, ...], tuple[str, ...]]:
         ("ports", "http"): ("server", "http_port"),
         ("ports", "grpc"): ("server", "grpc_port"),
         ("metrics", "names"): ("metrics", "names"),
+        ("tools", "callParser"): ("tool_call_parser",),
+        ("tools", "callConstrained"): ("tool_call_constrained",),
     }
     for f in ENGINE_FIELDS:
         if f not in _ENGINE_ELSEWHERE:

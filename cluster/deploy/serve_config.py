@@ -48,16 +48,20 @@ def app_args(cfg: LogitpoolConfig) -> dict[str, Any]:
 
 
 def rank_placement(cfg: LogitpoolConfig) -> dict[str, Any]:
-    """A tensor-parallel replica is one placement group of one bundle per rank (each a rank's CPUs
-    and GPU), all on one node (STRICT_PACK); the replica itself, rank 0, takes the first bundle.
-    Serve reserves and releases the group with its replica, so scaling adds whole groups."""
-    ranks = cfg.engine.tensor_parallel_size
+    """A tensor-parallel replica is one placement group of one bundle per rank, all on one node
+    (STRICT_PACK); Serve reserves and releases the group with its replica, so scaling adds whole
+    groups. The other ranks are processes of the replica (rank 0, in the first bundle), and Ray
+    shows an actor only its own bundle's GPUs, so the first bundle holds every rank's GPU (rank r
+    runs on the replica's cuda:r) and each other bundle a rank's CPUs."""
+    ranks, cpus, gpus = cfg.engine.tensor_parallel_size, cfg.workers.num_cpus, cfg.workers.num_gpus
     if ranks == 1:
         return {}
-    bundle: dict[str, float] = {"CPU": cfg.workers.num_cpus}
-    if cfg.workers.num_gpus:
-        bundle["GPU"] = cfg.workers.num_gpus
-    return {"placement_group_bundles": [bundle] * ranks, "placement_group_strategy": "STRICT_PACK"}
+    first: dict[str, float] = {"CPU": cpus, "GPU": ranks * gpus} if gpus else {"CPU": cpus}
+    return {
+        "placement_group_bundles": [first] + [{"CPU": cpus}] * (ranks - 1),
+        "placement_group_strategy": "STRICT_PACK",
+        "ray_actor_options": {"num_cpus": cpus, "num_gpus": ranks * gpus},
+    }
 
 
 def routing_policy(cfg: LogitpoolConfig) -> Policy:

@@ -254,15 +254,17 @@ def test_serve_config_is_valid_and_carries_the_config(cfg: LogitpoolConfig) -> N
     assert set(deployments) == {WORKER_DEPLOYMENT, INGRESS_DEPLOYMENT}
     worker = deployments[WORKER_DEPLOYMENT]
     assert worker.max_ongoing_requests == cfg.worker_max_ongoing_requests >= cfg.engine.max_num_seqs
-    assert worker.ray_actor_options.num_gpus == cfg.workers.num_gpus
     ranks = cfg.engine.tensor_parallel_size
+    assert worker.ray_actor_options.num_gpus == ranks * cfg.workers.num_gpus  # the replica sees every rank's GPU
+    assert worker.ray_actor_options.num_cpus == cfg.workers.num_cpus
     if ranks == 1:
         assert "placement_group_bundles" not in data["applications"][0]["deployments"][0]
-    else:  # one bundle per rank, on one node; the replica (rank 0) fits the first
+    else:  # one bundle per rank, on one node; the replica (rank 0) in the first, with every rank's GPU
+        bundles = worker.placement_group_bundles
         assert worker.placement_group_strategy == "STRICT_PACK"
-        assert worker.placement_group_bundles is not None and len(worker.placement_group_bundles) == ranks
-        gpus = {b.get("GPU", 0.0) for b in worker.placement_group_bundles}
-        assert gpus == {cfg.workers.num_gpus} and worker.placement_group_bundles[0]["CPU"] == cfg.workers.num_cpus
+        assert bundles is not None and len(bundles) == ranks
+        assert [b["CPU"] for b in bundles] == [cfg.workers.num_cpus] * ranks
+        assert [b.get("GPU", 0.0) for b in bundles] == [ranks * cfg.workers.num_gpus] + [0.0] * (ranks - 1)
     if cfg.workers.autoscaling is None:
         assert worker.num_replicas == (cfg.workers.num_replicas or 1)
         assert "autoscaling_config" not in data["applications"][0]["deployments"][0]

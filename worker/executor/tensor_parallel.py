@@ -186,7 +186,7 @@ class TensorParallelGroup:
         if visible < self.world_size:  # rank r runs on cuda:r of this process's devices
             raise ValueError(
                 f"tensor_parallel_size: {self.world_size} ranks need {self.world_size} visible GPUs, this process "
-                f"sees {visible} (a Ray replica sees only its own bundle's GPU: GPU ranks as Ray actors are not built)"
+                f"sees {visible} (under Ray a replica sees its first bundle's GPUs: serve_config.rank_placement)"
             )
         self._dir = tempfile.mkdtemp(prefix="logitpool-tp-")
         self.spec = RankSpec(

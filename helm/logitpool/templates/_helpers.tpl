@@ -167,6 +167,8 @@ applications:
       routing: {{ $v.routing | toJson }}
       metrics:
         names: {{ $v.metrics.names | toJson }}
+      tool_call_parser: {{ $v.tools.callParser | toJson }}
+      tool_call_constrained: {{ $v.tools.callConstrained | toJson }}
       api_key_env: {{ include "logitpool.apiKeyEnv" . }}
       app_name: logitpool
       route_prefix: /
@@ -185,7 +187,11 @@ applications:
         health_check_timeout_s: 5.0
         ray_actor_options:
           num_cpus: {{ $w.cpus | toJson }}
+          {{- if gt (int $v.engine.tensorParallelSize) 1 }}
+          num_gpus: {{ mulf $w.gpus $v.engine.tensorParallelSize | toJson }}
+          {{- else }}
           num_gpus: {{ $w.gpus | toJson }}
+          {{- end }}
         {{- /* cluster/deploy/serve_config.py routing_policy: cache_aware by default when replicas can exceed 1 */ -}}
         {{- $most := ternary $a.maxReplicas $w.replicas $a.enabled -}}
         {{- $policy := $v.routing.policy | default (ternary "cache_aware" "power_of_two" (gt (int $most) 1)) -}}
@@ -196,12 +202,13 @@ applications:
           request_routing_stats_period_s: {{ $v.routing.stats_period_s | toJson }}
         {{- end }}
         {{- if gt (int $v.engine.tensorParallelSize) 1 }}
-        # cluster/deploy/serve_config.py rank_placement: one bundle per rank, all on one node.
+        # cluster/deploy/serve_config.py rank_placement: one bundle per rank, all on one node; the
+        # replica (rank 0) in the first, which holds every rank's GPU (the ranks are its processes).
         placement_group_bundles:
-          {{- range until (int $v.engine.tensorParallelSize) }}
+          {{- range $r := until (int $v.engine.tensorParallelSize) }}
           - CPU: {{ $w.cpus | toJson }}
-            {{- if gt (int $w.gpus) 0 }}
-            GPU: {{ $w.gpus | toJson }}
+            {{- if and (eq $r 0) (gt (float64 $w.gpus) 0.0) }}
+            GPU: {{ mulf $w.gpus $v.engine.tensorParallelSize | toJson }}
             {{- end }}
           {{- end }}
         placement_group_strategy: STRICT_PACK
