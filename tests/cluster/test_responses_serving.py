@@ -50,7 +50,7 @@ def serving(serve_ports, tiny_model_dir):
 def test_text_is_chats_answer_and_the_limit_makes_it_incomplete(oai: openai.OpenAI, tiny_model_dir: Path) -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     r = oai.responses.create(model=MODEL, instructions="be brief", input="hi there", max_output_tokens=6, temperature=0)
-    chat = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    chat = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)  # type: ignore[arg-type]  # plain dict messages
     assert r.output_text == chat.choices[0].message.content
     expected = AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
         msgs, tokenize=True, add_generation_prompt=True
@@ -115,6 +115,6 @@ def test_streamed_tool_call(oai: openai.OpenAI) -> None:
 def test_unserved_fields_are_400s_and_nothing_is_stored(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="x", store=True)
-    assert err.value.body["param"] == "store"  # type: ignore[index]
+    assert err.value.body["param"] == "store"  # type: ignore[index]  # the SDK types body as object
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve("resp_0")

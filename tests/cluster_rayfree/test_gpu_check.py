@@ -76,7 +76,7 @@ def test_a_replica_given_no_gpu_runs_on_cpu_where_cuda_is_visible(monkeypatch, c
 
     with caplog.at_level(logging.INFO, logger="cluster.gpu_check"):
         assert check_gpu(allow_cpu=False, device=None) == "cpu"
-        LogitpoolWorker(EngineConfig(model="/m").as_kwargs(), engine_factory=factory)  # type: ignore[arg-type]
+        LogitpoolWorker(EngineConfig(model="/m").as_kwargs(), engine_factory=factory)  # type: ignore[arg-type]  # a test double for the engine factory
     assert [c.device for c in built] == ["cpu"]
     lines = [r.getMessage() for r in caplog.records if r.name == "cluster.gpu_check"]
     assert len(lines) == 2 and all("no GPU (workers.num_gpus: 0): running on cpu" in m for m in lines)

@@ -221,7 +221,7 @@ def test_add_special_tokens_defaults_are_vllms() -> None:
     ],
 )
 def test_truncation_keeps_the_last_or_first_k(k: int | None, side: str, expected: list[int]) -> None:
-    tokens = PromptTokens(truncate_prompt_tokens=k, truncation_side=side)  # type: ignore[arg-type]
+    tokens = PromptTokens(truncate_prompt_tokens=k, truncation_side=side)  # type: ignore[arg-type]  # parametrized sides, checked by the class
     assert tokens.truncate(list(range(10)), tokens.keep(64)) == expected
 
 

@@ -154,7 +154,7 @@ REF_TOOLS = [
 
 def _required(tools: list[dict]) -> dict:
     body = {"messages": MSG, "tools": tools, "tool_choice": "required"}
-    return ChatCompletionRequest.model_validate(body).sampling_params().structured_outputs.json  # type: ignore[union-attr]
+    return ChatCompletionRequest.model_validate(body).sampling_params().structured_outputs.json  # type: ignore[union-attr]  # the case sets it
 
 
 def test_required_keeps_each_tools_references_resolvable() -> None:

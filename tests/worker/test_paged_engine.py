@@ -335,7 +335,7 @@ def test_num_cached_tokens_counts_the_prefix_cache_hits_of_each_prompt(tiny_mode
     other = prompts_of(tiny_model, 1, lo=30, hi=31, seed=46)[0]
 
     def params(**kw: object) -> SamplingParams:
-        return SamplingParams(**{"temperature": 0.0, "max_tokens": 3, "ignore_eos": True, **kw})  # type: ignore[arg-type]
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": 3, "ignore_eos": True, **kw})  # type: ignore[arg-type]  # a test's keyword mix
 
     deltas: dict[str, list[int | None]] = {}
     engine = _engine(tiny_model, blocks=64, block_size=8)

