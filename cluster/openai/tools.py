@@ -91,8 +91,9 @@ def _call(c: ParsedCall) -> ToolCall | None:
 @dataclass
 class ToolCallStream:
     """One choice's stream: each ``feed`` of new text gives the content and tool-call deltas it
-    adds (OpenAI's and vLLM's shape: a call's first delta carries id, type, name and arguments
-    "", later ones argument text); the arguments sent add up to the call's arguments."""
+    adds (OpenAI's and vLLM's shape: a call's first delta carries id, type, name and the arguments
+    known so far, possibly "", later ones argument text; one entry per call in a chunk, as OpenAI
+    sends); the arguments sent add up to the call's arguments."""
 
     calling: ToolCalling
     text: str = ""
@@ -119,9 +120,10 @@ class ToolCallStream:
             if i == len(self._args_sent):
                 if call.name is None:
                     break  # a call's name goes out whole, and calls in order
-                self._args_sent.append(0)
-                fn: FunctionCallDelta = {"name": call.name, "arguments": ""}
+                self._args_sent.append(len(call.arguments))
+                fn: FunctionCallDelta = {"name": call.name, "arguments": call.arguments}
                 deltas.append({"index": i, "id": new_call_id(), "type": "function", "function": fn})
+                continue
             sent = self._args_sent[i]
             if len(call.arguments) > sent:
                 deltas.append({"index": i, "function": {"arguments": call.arguments[sent:]}})

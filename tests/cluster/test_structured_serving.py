@@ -112,6 +112,8 @@ def _streamed(chunks) -> tuple[str, dict[int, dict], str | None, list]:
             continue
         choice = chunk.choices[0]
         content += choice.delta.content or ""
+        indices = [d.index for d in choice.delta.tool_calls or []]
+        assert len(set(indices)) == len(indices), "one entry per call in a chunk, as OpenAI sends"
         for d in choice.delta.tool_calls or []:
             deltas.append(d)
             call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
@@ -132,7 +134,7 @@ def test_streamed_tool_calls_reassemble_to_schema_valid_arguments(oai, tool_choi
         content, calls, reason, deltas = _streamed(chunks)
         assert content == "" and reason == finish and list(calls) == [0]
         first = deltas[0]
-        assert first.id.startswith("call_") and first.type == "function" and first.function.arguments == ""
+        assert first.id.startswith("call_") and first.type == "function" and first.function.name == calls[0]["name"]
         assert all(d.id is None and d.function.name is None for d in deltas[1:])
         call = calls[0]
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])

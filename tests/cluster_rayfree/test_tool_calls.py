@@ -116,12 +116,13 @@ def _reassembled(calling: ToolCalling, text: str, cuts: list[int]) -> tuple[str,
         piece, deltas = stream.feed(text[prev:p], final=p == len(text))
         prev = p
         shown += piece
+        assert len({d["index"] for d in deltas}) == len(deltas), "one entry per call in a chunk, as OpenAI"
         for d in deltas:
             i, fn = d["index"], d["function"]
             if "id" in d:
-                assert i not in names_seen and fn["arguments"] == "" and d.get("type") == "function"
+                assert i not in names_seen and d.get("type") == "function"
                 names_seen[i] = fn.get("name")
-                args[i] = ""
+                args[i] = fn["arguments"]  # the arguments known when the call opens (often "")
             else:
                 assert i in names_seen and "name" not in fn and "type" not in d
                 args[i] += fn["arguments"]
@@ -181,9 +182,11 @@ def test_stream_chunk_shapes_match_openai() -> None:
     chunk = chat_chunk("id", "m", c, str, 0, True, created=1, tool_delta=ToolDelta(content, deltas, None))
     delta = chunk["choices"][0]["delta"]
     assert delta["role"] == "assistant" and "content" not in delta
-    first, more = delta["tool_calls"]
-    assert first["function"] == {"name": "forecast", "arguments": ""} and first["type"] == "function"
-    assert first["id"].startswith("call_") and more == {"index": 0, "function": {"arguments": '{"city": '}}
+    (first,) = delta["tool_calls"]  # one entry per call: the header carries the first arguments
+    assert first["function"] == {"name": "forecast", "arguments": '{"city": '} and first["type"] == "function"
+    assert first["id"].startswith("call_") and first["index"] == 0
+    _, more = stream.feed('"Oslo"}', final=True)
+    assert more == [{"index": 0, "function": {"arguments": '"Oslo"}'}}]
     # a named function finishes as generated; required and auto say tool_calls
     assert calling.finish_reason(True, "stop") == "stop"
     required = tool_calling(TOOLS, "required", HermesToolParser(), False)
