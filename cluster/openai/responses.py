@@ -52,31 +52,84 @@ class ContentPart(_Loose):
 
 class InputItem(_Loose):
     """One item of ``input``: a message (OpenAI's EasyInputMessage, input message, or an
-    earlier output message sent back). Other item types are a 400 (``chat_message``)."""
+    earlier output message sent back), or the agent loop's items: an earlier ``function_call``
+    the model made (``call_id``, ``name``, ``arguments``) and its ``function_call_output``
+    (``call_id``, ``output``). Other item types are a 400 (``ResponsesRequest.chat_messages``)."""
 
     type: str = "message"
     role: str | None = None
     content: str | list[ContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ContentPart] | None = None
 
     def chat_message(self, where: str) -> dict[str, str]:
         if self.type != "message":
             raise ValueError(
-                f"{where}.type: {self.type!r} items are not supported (message items only: "
-                "the chat template takes text turns)"
+                f"{where}.type: {self.type!r} items are not supported "
+                "(message, function_call and function_call_output items only)"
             )
         role = CHAT_ROLES.get(self.role or "")
         if role is None:
             raise ValueError(f"{where}.role: must be one of {', '.join(CHAT_ROLES)}, got {self.role!r}")
         if self.content is None:
             raise ValueError(f"{where}.content: required")
-        if isinstance(self.content, str):
-            return {"role": role, "content": self.content}
-        texts = []
-        for j, part in enumerate(self.content):
-            if part.type not in TEXT_PARTS or part.text is None:
-                raise ValueError(f"{where}.content[{j}].type: {part.type!r} is not supported (text parts only)")
-            texts.append(part.text)
-        return {"role": role, "content": "".join(texts)}
+        return {"role": role, "content": _text(self.content, f"{where}.content")}
+
+    def chat_tool_call(self, where: str) -> dict[str, Any]:
+        """A ``function_call`` item as chat's tool call of an assistant message."""
+        for key in ("call_id", "name", "arguments"):
+            if getattr(self, key) is None:
+                raise ValueError(f"{where}.{key}: required for a function_call item")
+        return {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def chat_tool_message(self, where: str, calls: set[str]) -> dict[str, str]:
+        """A ``function_call_output`` item as chat's ``tool`` message answering ``call_id``,
+        which an earlier function_call item (of ``calls``) must have made (as OpenAI checks)."""
+        if self.call_id is None:
+            raise ValueError(f"{where}.call_id: required for a function_call_output item")
+        if self.call_id not in calls:
+            raise ValueError(f"{where}.call_id: no earlier function_call item has call_id {self.call_id[:100]!r}")
+        if self.output is None:
+            raise ValueError(f"{where}.output: required for a function_call_output item")
+        return {"role": "tool", "tool_call_id": self.call_id, "content": _text(self.output, f"{where}.output")}
+
+
+def _text(content: str | list[ContentPart], where: str) -> str:
+    """A content's text: a string, or text parts joined (other parts are a 400)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in TEXT_PARTS or part.text is None:
+            raise ValueError(f"{where}[{j}].type: {part.type!r} is not supported (text parts only)")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """``input`` items as chat messages: function_call items are the ``tool_calls`` of the
+    assistant message they follow (one message per answer, as chat sends an answer with its
+    text and parallel calls back), each function_call_output a
+    ``tool`` message, so the chat template renders them in the tool-call parser's format."""
+    messages: list[dict[str, Any]] = []
+    calls: set[str] = set()
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if item.type == "function_call":
+            call = item.chat_tool_call(where)
+            calls.add(call["id"])
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # the answer's text, then its calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            messages.append(item.chat_tool_message(where, calls))
+        else:
+            messages.append(item.chat_message(where))
+    return messages
 
 
 class TextFormat(_Loose):
@@ -181,15 +234,15 @@ class ResponsesRequest(_Refusing):
             raise ValueError("stream_options: only allowed when stream is true")
         return value
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
-        if isinstance(self.input, str):
-            if not self.input:
-                raise ValueError("input: must not be empty")
-            return [*messages, {"role": "user", "content": self.input}]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = (
+            [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        )
         if not self.input:
             raise ValueError("input: must not be empty")
-        return [*messages, *(item.chat_message(f"input[{i}]") for i, item in enumerate(self.input))]
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        return [*messages, *chat_messages(self.input)]
 
     def chat_tool_choice(self) -> str | dict[str, Any] | None:
         if isinstance(self.tool_choice, ToolChoiceObject):

@@ -112,6 +112,37 @@ def test_streamed_tool_call(oai: openai.OpenAI) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_function_calling_loop(oai: openai.OpenAI) -> None:
+    """The agent loop: a required call, its output sent back with the call, then a text answer
+    whose prompt is chat's for the same conversation (its tool call and tool message)."""
+    first = oai.responses.create(
+        model=MODEL, input="weather?", tools=TOOLS, tool_choice="required", max_output_tokens=64
+    )
+    (call,) = first.output
+    assert call.type == "function_call" and first.status == "completed"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    turns: list[Any] = [{"role": "user", "content": "weather?"}, call.model_dump(exclude_none=True), result]
+    second = oai.responses.create(
+        model=MODEL, input=turns, tools=TOOLS, tool_choice="none", max_output_tokens=4, temperature=0
+    )
+    assert [item.type for item in second.output] == ["message"] and second.output_text
+    tool_call = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    msgs: list[Any] = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    chat_tools: list[Any] = [
+        {"type": "function", "function": {"name": t["name"], "parameters": t["parameters"]}} for t in TOOLS
+    ]
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=msgs, tools=chat_tools, tool_choice="none", max_tokens=4, temperature=0
+    )
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage is not None and chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+
+
 def test_unserved_fields_are_400s_and_nothing_is_stored(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         oai.responses.create(model=MODEL, input="x", store=True)

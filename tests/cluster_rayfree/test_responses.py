@@ -24,6 +24,7 @@ from cluster.openai.responses import (
     responses_field,
     responses_fields,
 )
+from cluster.openai.tool_parsers import load_tool_call_parser
 from tests.cluster_rayfree.fake_engine import FakeEngine, fake_token
 from tests.cluster_rayfree.test_frontend_clients import sdk, seen_prompts, template_ids
 from tests.cluster_rayfree.test_frontend_local import KEY, cfg, fe, http, worker  # noqa: F401 - fixtures
@@ -101,6 +102,70 @@ def test_text_format_is_response_format() -> None:
     # tools without tool_choice: chat's default for tools ('auto'), whatever chat makes of it
     auto = ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "function", "name": "f"}]})
     assert auto.chat_request().tool_choice is None and not auto.streams_text
+
+
+# The agent loop: an earlier answer (text and two calls) sent back with the calls' results.
+LOOP_INPUT: list[Any] = [
+    {"role": "user", "content": "weather in Oslo and Lima?"},
+    {"type": "message", "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": "ok"}]},
+    {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "forecast", "arguments": '{"city":"Oslo"}'},
+    {
+        "type": "function_call",
+        "call_id": "c2",
+        "name": "forecast",
+        "arguments": '{"city":"Lima"}',
+        "status": "completed",
+    },
+    {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+    {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "sun"}]},
+]
+LOOP_MESSAGES: list[Any] = [
+    {"role": "user", "content": "weather in Oslo and Lima?"},
+    {
+        "role": "assistant",
+        "content": "ok",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "forecast", "arguments": '{"city":"Oslo"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "forecast", "arguments": '{"city":"Lima"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    {"role": "tool", "tool_call_id": "c2", "content": "sun"},
+]
+FORECAST_TOOL: Any = {"type": "function", "name": "forecast", "parameters": PARAMS}
+
+
+def test_function_call_items_are_chats_tool_messages() -> None:
+    req = ResponsesRequest.model_validate({"input": LOOP_INPUT, "tools": [FORECAST_TOOL], "tool_choice": "none"})
+    expected = ChatCompletionRequest.model_validate(
+        {
+            "messages": LOOP_MESSAGES,
+            "tools": [{"type": "function", "function": {"name": "forecast", "parameters": PARAMS}}],
+            "tool_choice": "none",
+        }
+    )
+    assert req.chat_messages() == LOOP_MESSAGES
+    assert req.chat_request().model_dump() == expected.model_dump()
+    # calls with no text before them are an assistant message of their own
+    bare = ResponsesRequest.model_validate({"input": [LOOP_INPUT[0], *LOOP_INPUT[2:]]})
+    assert bare.chat_messages() == [LOOP_MESSAGES[0], {**LOOP_MESSAGES[1], "content": None}, *LOOP_MESSAGES[2:]]
+
+
+def test_agent_loop_prompt_is_chats_prompt(fe: Frontend) -> None:  # noqa: F811 - fixture
+    tools: list[Any] = [{"type": "function", "function": {"name": "forecast", "parameters": PARAMS}}]
+    sdk(fe, lambda c: c.chat.completions.create(model=fe.model_name, messages=LOOP_MESSAGES, tools=tools, max_tokens=1))
+    sdk(
+        fe,
+        lambda c: c.responses.create(
+            model=fe.model_name, input=LOOP_INPUT, tools=[FORECAST_TOOL], tool_choice="none", max_output_tokens=1
+        ),
+    )
+    chat_prompt, responses_prompt = seen_prompts()
+    assert responses_prompt == chat_prompt
+    # the calls are in the prompt, in the tool-call parser's format, and so are their results
+    text = fe.tokenizer.decode(responses_prompt)
+    assert load_tool_call_parser(fe.cfg.tool_call_parser).render_call("forecast", '{"city":"Lima"}') in text
+    assert "rain" in text and "sun" in text
 
 
 @pytest.mark.parametrize(
@@ -310,7 +375,28 @@ def test_a_failed_stream_says_so(fe: Frontend, monkeypatch: pytest.MonkeyPatch) 
         ({"input": ""}, "input"),
         ({"input": []}, "input"),
         ({}, "input"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].call_id"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c"},
+                ]
+            },
+            "input[1].output",
+        ),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]},
+                ]
+            },
+            "input[1].output[0].type",
+        ),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
