@@ -31,9 +31,9 @@ from worker.executor.tensor_parallel import TensorParallelGroup, step_capacity
 from worker.kv.manager import KVCacheManager
 from worker.logits_processor.registry import LogitsProcessors
 from worker.model.loader import LoadedModel, load_model, resolve_device, resolve_max_model_len
-from worker.model.memory import CudaMemory, DeviceMemory, KVBudget, MemorySnapshot
-from worker.model.profile import profiled_kv_budget
-from worker.model.runner import ModelRunner, block_bytes, num_blocks_for
+from worker.model.memory import CudaMemory, DeviceMemory, KVBudget, MemorySnapshot, RankMemory, cuda_memory
+from worker.model.profile import kv_size
+from worker.model.runner import ModelRunner
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.request import Request, Scheduling
@@ -72,9 +72,15 @@ class _Parent:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, *, loaded: LoadedModel | None = None, memory: DeviceMemory | None = None
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        memory: DeviceMemory | None = None,
+        rank_memory: RankMemory = cuda_memory,
     ) -> None:
-        """``memory``: the device's memory figures for KV sizing (default: CUDA's, on a GPU).
+        """``memory``: the device's memory figures for KV sizing (default: CUDA's, on a GPU);
+        ``rank_memory``: each tensor-parallel rank's (only tests give other figures than CUDA's).
 
         The model is ``loaded``, else ``config.model`` (``worker.model.loader.embedded_model_path``
         gives the embedded tiny one): the engine builds none itself.
@@ -86,11 +92,11 @@ class LLMEngine:
         self.config = config
         device = loaded.device if loaded is not None else resolve_device(config.device)
         if config.kv_cache_bytes is not None or config.tensor_parallel_size > 1:
-            memory = None  # the pool's size is given (or, sharded, sized as on CPU): nothing to measure
+            memory = None  # the pool's size is given (or, sharded, each rank measures its own device)
         elif memory is None and device.type == "cuda":
             memory = CudaMemory(device)
         start = memory.snapshot() if memory is not None else None  # before the weights load
-        group = TensorParallelGroup(config) if config.tensor_parallel_size > 1 else None
+        group = TensorParallelGroup(config, rank_memory) if config.tensor_parallel_size > 1 else None
         if group is not None:
             loaded = group.loaded  # rank 0's shard; the other ranks hold theirs
         elif loaded is None:
@@ -143,25 +149,16 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = resolve_max_model_len(config.max_model_len, loaded.max_model_len)
         self.pin_memory = self.device.type == "cuda"
-        kv_bytes = config.kv_cache_bytes
-        # How the pool was sized on a GPU (None: kv_cache_bytes, or CPU's max_num_seqs x max_model_len).
-        self.kv_budget: KVBudget | None = None
-        if memory is not None and start is not None:
-            self.kv_budget = profiled_kv_budget(loaded, config, self.max_model_len, memory, start)
-            logger.info("%s", self.kv_budget.describe())
-            kv_bytes = self.kv_budget.check(block_bytes(loaded, config.block_size))
-        num_blocks = num_blocks_for(
-            loaded, config.block_size, kv_cache_bytes=kv_bytes, default_tokens=config.max_num_seqs * self.max_model_len
-        )
-        if group is None:
-            return ModelRunner(
-                loaded, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
-            )
-        weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        logger.info("tensor parallel: %d ranks, %.1f MiB of weights on rank 0", group.world_size, weights / 2**20)
-        capacity = step_capacity(config, self.max_model_len)
-        return group.runner(
-            num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len, capacity=capacity
+        if group is not None:
+            capacity = step_capacity(config, self.max_model_len)
+            runner = group.runner(config, max_model_len=self.max_model_len, capacity=capacity)
+            # How rank 0's pool was sized on a GPU (None: kv_cache_bytes, or as on CPU).
+            self.kv_budget: KVBudget | None = group.kv.budget
+            return runner
+        size = kv_size(loaded, config, self.max_model_len, memory, start)
+        self.kv_budget = size.budget
+        return ModelRunner(
+            loaded, num_blocks=size.num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
         )
 
     def _init_state(self) -> None:

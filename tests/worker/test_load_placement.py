@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from worker.model.loader import _load_dtype, auto_dtype, from_pretrained_kwargs, load_model
+from worker.model.loader import load_dtype, auto_dtype, from_pretrained_kwargs, load_model
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -41,10 +41,10 @@ def test_auto_on_a_gpu_is_resolved_and_said_at_start_up(tiny_model_dir, monkeypa
     config = AutoConfig.from_pretrained(tiny_model_dir)  # a float32 checkpoint
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     with caplog.at_level(logging.INFO, logger="worker.model.loader"):
-        assert _load_dtype("auto", config, CUDA) == torch.bfloat16
+        assert load_dtype("auto", config, CUDA) == torch.bfloat16
     assert any("dtype auto: a float32 checkpoint runs in bfloat16 on cuda" in r.getMessage() for r in caplog.records)
-    assert _load_dtype("float32", config, CUDA) == torch.float32  # an explicit dtype stays
-    assert _load_dtype("auto", config, CPU) == "auto"  # transformers resolves it on CPU, as before
+    assert load_dtype("float32", config, CUDA) == torch.float32  # an explicit dtype stays
+    assert load_dtype("auto", config, CPU) == "auto"  # transformers resolves it on CPU, as before
 
 
 def test_auto_on_cpu_keeps_the_checkpoint_dtype(tiny_model_dir) -> None:

@@ -17,7 +17,6 @@ is replaced. A rank whose parent process is gone exits on its own.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -35,9 +34,12 @@ import torch
 import torch.distributed as dist
 
 from worker.config import EngineConfig
-from worker.model.loader import LoadedModel, load_model, resolve_device
-from worker.model.runner import ModelRunner, ScheduledSeq
-from worker.model.shard import CommStats, ShardLayout, shard_model
+from worker.model.loader import LoadedModel, resolve_device
+from worker.model.memory import RankMemory, cuda_memory, weight_bytes
+from worker.model.profile import KVSize, kv_size
+from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes
+from worker.model.shard import CommStats
+from worker.model.shard_loader import ReadStats, load_shard
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +59,60 @@ class RankSpec:
     init_file: str  # the group's rendezvous (one node: a file)
     timeout_s: float
     parent_pid: int
+    memory: RankMemory | None  # each rank's device figures for KV sizing; None: kv_cache_bytes or CPU
 
 
 @dataclass(frozen=True)
 class RunnerSpec:
-    """The KV pool and step limits, decided on rank 0 once every shard is loaded."""
+    """The step limits, decided on rank 0 once every shard is loaded; each rank sizes its KV."""
 
-    num_blocks: int
-    block_size: int
+    config: EngineConfig
     max_model_len: int
     capacity: int  # int32s of the step broadcast
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a rank holds, told to rank 0 for the start-up log."""
+
+    rank: int
+    weights: int  # bytes of its shard's parameters and buffers
+    kv: KVSize  # the pool its own device had room for (the group runs the smallest)
+
+
+@dataclass(frozen=True)
+class GroupMemory:
+    """Every rank's weights and KV, the blocks the group runs, and what would fit."""
+
+    reports: list[RankReport]
+    num_blocks: int
+    one_sequence_kv: int  # bytes of one max_model_len sequence's KV on one rank
+
+    def largest_model(self) -> int | None:
+        """Weight bytes the group holds at this tensor_parallel_size (None: not sized on a GPU):
+        the smallest rank's share less its activation peak and one sequence's KV, times N."""
+        budgets = [r.kv.budget for r in self.reports]
+        if any(b is None for b in budgets):
+            return None
+        return len(budgets) * min(b.largest_weights(self.one_sequence_kv) for b in budgets if b is not None)
+
+    def describe(self) -> str:
+        ranks = "; ".join(
+            f"rank {r.rank}: {r.weights / 2**20:.1f} MiB weights, room for {r.kv.num_blocks} KV blocks"
+            for r in self.reports
+        )
+        line = f"tensor parallel: {len(self.reports)} ranks, {self.num_blocks} KV blocks on every rank ({ranks})"
+        largest = self.largest_model()
+        if largest is not None:
+            line += f"; the largest model that fits at this tensor_parallel_size: {largest / 2**30:.2f} GiB of weights"
+        return line
+
+
+def group_min(num_blocks: int, device: torch.device) -> int:
+    """The fewest blocks any rank has room for: every rank runs that many (one collective)."""
+    t = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def step_capacity(config: EngineConfig, max_model_len: int) -> int:
@@ -119,14 +165,11 @@ def _init_group(spec: RankSpec, rank: int) -> None:
     )
 
 
-def load_shard(spec: RankSpec, rank: int, stats: CommStats) -> LoadedModel:
-    """Load the whole checkpoint on the host, keep rank ``rank``'s shard, move it to its device."""
-    loaded = load_model(spec.model, device="cpu", dtype=spec.dtype)
-    layout = ShardLayout.of(loaded.config, rank, spec.world_size)
-    shard_model(loaded.model, layout, stats)
+def load_rank(spec: RankSpec, rank: int, stats: CommStats) -> LoadedModel:
+    """Rank ``rank``'s shard on its device, read shard by shard from the checkpoint
+    (``worker.model.shard_loader``: the families it cannot read so load whole and are sliced)."""
     device = _rank_device(spec.device_type, rank)
-    loaded.model.to(device)
-    return dataclasses.replace(loaded, device=device, shard=layout)
+    return load_shard(spec.model, spec.dtype, device, rank, spec.world_size, stats, ReadStats())
 
 
 # -- ranks 1..N-1 ---------------------------------------------------------------------------
@@ -146,12 +189,18 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection) -> None:
         if spec.device_type == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         _init_group(spec, rank)
-        loaded = load_shard(spec, rank, CommStats())
+        memory = spec.memory(rank, _rank_device(spec.device_type, rank)) if spec.memory else None
+        start = memory.snapshot() if memory is not None else None  # before the weights load
+        loaded = load_rank(spec, rank, CommStats())
         conn.send(("loaded", None))
         rs: RunnerSpec = _recv(conn, spec.parent_pid)
-        runner = ModelRunner(loaded, num_blocks=rs.num_blocks, block_size=rs.block_size, max_model_len=rs.max_model_len)
+        own = kv_size(loaded, rs.config, rs.max_model_len, memory, start, sample=False)
+        bs = rs.config.block_size
+        runner = ModelRunner(
+            loaded, num_blocks=group_min(own.num_blocks, loaded.device), block_size=bs, max_model_len=rs.max_model_len
+        )
         buf = torch.zeros(rs.capacity, dtype=torch.int32, device=loaded.device)
-        conn.send(("ready", None))
+        conn.send(("ready", RankReport(rank, weight_bytes(loaded.model), own)))
         while _recv(conn, spec.parent_pid) == _STEP:
             dist.broadcast(buf, src=0)
             runner.execute(decode_step(buf.cpu()))
@@ -172,7 +221,8 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection) -> None:
 class TensorParallelGroup:
     """Rank 0's handle on the group: the rank processes, their pipes, the step broadcast."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, memory: RankMemory = cuda_memory) -> None:
+        """``memory``: each rank's device figures for KV sizing (CUDA's; only tests give others)."""
         if config.model is None:
             raise ValueError("model: a tensor-parallel engine loads its shards from a named model")
         if dist.is_initialized():
@@ -197,7 +247,10 @@ class TensorParallelGroup:
             os.path.join(self._dir, "rendezvous"),
             config.collective_timeout_s,
             os.getpid(),
+            memory if config.kv_cache_bytes is None else None,
         )
+        self._memory = self.spec.memory(0, device) if self.spec.memory else None
+        self._start = self._memory.snapshot() if self._memory is not None else None
         ctx = mp.get_context("spawn")
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -212,31 +265,42 @@ class TensorParallelGroup:
                 self._procs.append(proc)
                 self._conns.append(ours)
             _init_group(self.spec, 0)
-            self.loaded = load_shard(self.spec, 0, self.stats)
+            self.loaded = load_rank(self.spec, 0, self.stats)
             self._expect("loaded")
         except BaseException:
             self.close()
             raise
         self._buf: torch.Tensor | None = None
 
-    def _expect(self, what: str) -> None:
-        """Every rank reports ``what`` within the timeout, or the group fails to start."""
+    def _expect(self, what: str) -> list[Any]:
+        """Every rank reports ``what`` within the timeout (their details), or the group fails to start."""
+        details = []
         for rank, conn in enumerate(self._conns, start=1):
             if not conn.poll(self.timeout_s):
                 raise RuntimeError(f"tensor-parallel rank {rank} did not report {what!r} in {self.timeout_s:g} s")
             kind, detail = conn.recv()
             if kind != what:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{detail}")
+            details.append(detail)
+        return details
 
-    def runner(self, *, num_blocks: int, block_size: int, max_model_len: int, capacity: int) -> TensorParallelRunner:
-        spec = RunnerSpec(num_blocks, block_size, max_model_len, capacity)
+    def runner(self, config: EngineConfig, *, max_model_len: int, capacity: int) -> TensorParallelRunner:
+        """Every rank sizes its KV pool on its own device (profiled together on GPUs), the group
+        takes the smallest, and rank 0's runner is built; ``self.memory`` says what each holds."""
         for conn in self._conns:
-            conn.send(spec)
+            conn.send(RunnerSpec(config, max_model_len, capacity))
+        own = kv_size(self.loaded, config, max_model_len, self._memory, self._start)
+        self.kv = own  # rank 0's, the budget the engine reports
+        bs = config.block_size
+        num_blocks = group_min(own.num_blocks, self.loaded.device)
         runner = TensorParallelRunner(
-            self.loaded, self, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len
+            self.loaded, self, num_blocks=num_blocks, block_size=bs, max_model_len=max_model_len
         )
         self._buf = torch.zeros(capacity, dtype=torch.int32, device=self.loaded.device)
-        self._expect("ready")
+        reports = [RankReport(0, weight_bytes(self.loaded.model), own), *self._expect("ready")]
+        one_sequence = -(-max_model_len // bs) * block_bytes(self.loaded, bs)
+        self.memory = GroupMemory(reports, num_blocks, one_sequence)
+        logger.info("%s", self.memory.describe())
         return runner
 
     def pids(self) -> list[int]:

@@ -105,7 +105,7 @@ def auto_dtype(checkpoint: torch.dtype | None, device: torch.device, bf16_suppor
     return dtype
 
 
-def _load_dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, device: torch.device) -> torch.dtype | str:
+def load_dtype(dtype: str | torch.dtype | None, config: PretrainedConfig, device: torch.device) -> torch.dtype | str:
     """The dtype the weights load in. ``auto`` on a GPU is resolved here (``auto_dtype``) and said
     at start-up; elsewhere transformers resolves it, as before."""
     resolved = _resolve_dtype(dtype)
@@ -190,6 +190,42 @@ def _eos_ids(generation_config: GenerationConfig | None, tokenizer: PreTrainedTo
     return frozenset(ids)
 
 
+def supported_config(name: str) -> PretrainedConfig:
+    """The model's config; ValueError when the runner cannot serve it exactly."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name)
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise ValueError(f"model {name!r} ({config.model_type}) is not supported: {reason}")
+    return config
+
+
+def loaded_model(
+    name: str, hf_model: PreTrainedModel, device: torch.device, *, vocab_size: int | None = None
+) -> LoadedModel:
+    """``hf_model`` (its weights on ``device``) with its tokenizer and facts; ValueError when the
+    runner cannot serve it. ``vocab_size``: the full vocabulary of a model already sharded."""
+    from transformers import AutoTokenizer
+
+    reason = _model_reason(hf_model)
+    if reason is not None:
+        raise ValueError(f"model {name!r} ({hf_model.config.model_type}) is not supported: {reason}")
+    hf_model = hf_model.to(device).eval()  # a no-op where the weights were placed on it
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    text_config = hf_model.config.get_text_config()
+    return LoadedModel(
+        model=hf_model,
+        tokenizer=tokenizer,
+        config=hf_model.config,
+        eos_token_ids=_eos_ids(getattr(hf_model, "generation_config", None), tokenizer),
+        vocab_size=vocab_size or int(hf_model.get_output_embeddings().weight.shape[0]),
+        max_model_len=int(text_config.max_position_embeddings),
+        device=device,
+        dtype=next(hf_model.parameters()).dtype,
+    )
+
+
 def load_model(
     model: str | Path,
     *,
@@ -202,33 +238,15 @@ def load_model(
     bfloat16 on a GPU: ``auto_dtype``). ``device`` None means CUDA when available, else CPU.
     Raises ValueError for models the runner cannot serve exactly.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     name = str(model)
-    config = AutoConfig.from_pretrained(name)
-    reason = unsupported_reason(config)
-    if reason is not None:
-        raise ValueError(f"model {name!r} ({config.model_type}) is not supported: {reason}")
+    config = supported_config(name)
     target = resolve_device(device)
     hf_model = AutoModelForCausalLM.from_pretrained(
-        name, **from_pretrained_kwargs(target, _load_dtype(dtype, config, target))
+        name, **from_pretrained_kwargs(target, load_dtype(dtype, config, target))
     )
-    reason = _model_reason(hf_model)
-    if reason is not None:
-        raise ValueError(f"model {name!r} ({config.model_type}) is not supported: {reason}")
-    hf_model = hf_model.to(target).eval()  # a no-op where device_map placed it
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    text_config = hf_model.config.get_text_config()
-    return LoadedModel(
-        model=hf_model,
-        tokenizer=tokenizer,
-        config=hf_model.config,
-        eos_token_ids=_eos_ids(getattr(hf_model, "generation_config", None), tokenizer),
-        vocab_size=int(hf_model.get_output_embeddings().weight.shape[0]),
-        max_model_len=int(text_config.max_position_embeddings),
-        device=target,
-        dtype=next(hf_model.parameters()).dtype,
-    )
+    return loaded_model(name, hf_model, target)
 
 
 # --------------------------------------------------------------------------- tiny model

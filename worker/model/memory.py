@@ -49,6 +49,17 @@ class DeviceMemory(Protocol):
         ...
 
 
+class RankMemory(Protocol):
+    """The memory figures of tensor-parallel rank ``rank``'s device (None: not a GPU, size as on CPU)."""
+
+    def __call__(self, rank: int, device: torch.device) -> DeviceMemory | None: ...
+
+
+def cuda_memory(rank: int, device: torch.device) -> DeviceMemory | None:
+    """``RankMemory`` of real devices: CUDA's figures on a GPU, none on CPU."""
+    return CudaMemory(device) if device.type == "cuda" else None
+
+
 class CudaMemory:
     """``DeviceMemory`` of one CUDA device."""
 
@@ -102,6 +113,11 @@ class KVBudget:
             f"{self.activation_peak / GIB:.2f} GiB profiled activation peak - "
             f"{self.outside_torch / GIB:.2f} GiB outside torch"
         )
+
+    def largest_weights(self, one_sequence_kv: int) -> int:
+        """The most weight bytes this device's share holds next to the activation peak and the KV
+        of one ``max_model_len`` sequence: the largest model (or shard of one) that still serves."""
+        return int(self.fraction * self.total) - self.activation_peak - self.outside_torch - one_sequence_kv
 
     def check(self, block: int) -> int:
         """The budget in bytes; ValueError naming the field when it holds no block or does not fit."""

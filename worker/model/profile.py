@@ -13,6 +13,7 @@ gather buffers of the fullest batch are in the peak too. The rows share their le
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,11 @@ from worker.config import EngineConfig
 from worker.logits_processor.registry import build_logits_processors
 from worker.model.loader import LoadedModel
 from worker.model.memory import DeviceMemory, KVBudget, MemorySnapshot, weight_bytes
-from worker.model.runner import ModelRunner, ScheduledSeq
+from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class ProfileRun:
     """The profile step and the sampler, set up on ``loaded``'s device (its KV, batch and
     processors allocated here, so the peak of ``run`` is the activations alone)."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, sample: bool = True) -> None:
         bs = config.block_size
         self.step = profile_step(config.max_num_batched_tokens, config.max_num_seqs, max_model_len, bs)
         self._runner = ModelRunner(loaded, num_blocks=self.step.num_blocks, block_size=bs, max_model_len=max_model_len)
@@ -86,18 +89,28 @@ class ProfileRun:
         added = [(f"profile-{i}", params, [0], [0]) for i in range(self.step.decode_rows)]
         self._procs.update_state(self._batch.update([], added))
         self._generator = torch.Generator(device=loaded.device)
+        self._sample = sample  # False on tensor-parallel ranks 1..N-1: rank 0 alone samples
 
     def run(self) -> None:
         logits = self._runner.execute(self.step.seqs)[: self.step.decode_rows].float()
+        if not self._sample:
+            return
         with torch.inference_mode():
             Sampler(self._procs, generator=self._generator)(logits, self._batch.sampling_metadata())
 
 
 def profiled_kv_budget(
-    loaded: LoadedModel, config: EngineConfig, max_model_len: int, memory: DeviceMemory, start: MemorySnapshot
+    loaded: LoadedModel,
+    config: EngineConfig,
+    max_model_len: int,
+    memory: DeviceMemory,
+    start: MemorySnapshot,
+    *,
+    sample: bool = True,
 ) -> KVBudget:
-    """The KV budget of an engine on ``loaded``'s device; ``start`` was read before it loaded."""
-    profile = ProfileRun(loaded, config, max_model_len)
+    """The KV budget of an engine on ``loaded``'s device; ``start`` was read before it loaded.
+    A tensor-parallel rank runs it with every other rank at once (the forward's collectives)."""
+    profile = ProfileRun(loaded, config, max_model_len, sample=sample)
     memory.reset_peak()
     before = memory.snapshot()
     profile.run()
@@ -114,3 +127,33 @@ def profiled_kv_budget(
         outside_torch=max(0, now.outside_torch - start.outside_torch),
         free=now.free,
     )
+
+
+@dataclass(frozen=True)
+class KVSize:
+    """An engine's (or one rank's) KV pool: its blocks and, on a GPU, the budget they came from."""
+
+    num_blocks: int
+    budget: KVBudget | None  # None: kv_cache_bytes, or CPU's max_num_seqs x max_model_len
+
+
+def kv_size(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    max_model_len: int,
+    memory: DeviceMemory | None,
+    start: MemorySnapshot | None,
+    *,
+    sample: bool = True,
+) -> KVSize:
+    """The KV pool of ``loaded`` (a whole model or one rank's shard): profiled on a GPU
+    (``memory``), else ``kv_cache_bytes`` or room for ``max_num_seqs`` full sequences."""
+    kv_bytes, budget = config.kv_cache_bytes, None
+    if memory is not None and start is not None:
+        budget = profiled_kv_budget(loaded, config, max_model_len, memory, start, sample=sample)
+        logger.info("%s%s", f"rank {loaded.shard.rank}: " if loaded.shard else "", budget.describe())
+        kv_bytes = budget.check(block_bytes(loaded, config.block_size))
+    blocks = num_blocks_for(
+        loaded, config.block_size, kv_cache_bytes=kv_bytes, default_tokens=config.max_num_seqs * max_model_len
+    )
+    return KVSize(blocks, budget)

@@ -137,35 +137,79 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous(), requires_grad=False)
 
 
-def _shard_linear(name: str, module: nn.Linear, style: str, layout: ShardLayout) -> None:
+@dataclass(frozen=True)
+class Cut:
+    """One parameter's shard on one rank: the slices of the full tensor it keeps, concatenated
+    along ``dim`` (two for packed gate/up experts), or zeros (a row-parallel bias on rank > 0: the
+    bias is added once, by rank 0). The one rule both loaders follow: slicing a loaded tensor
+    (``apply``) and reading only the slice from a checkpoint (``take`` with a safetensors slice)."""
+
+    parts: tuple[tuple[slice, ...], ...]
+    dim: int = 0
+    zero: bool = False
+
+    def take(self, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
+        """The shard from ``read`` (given each part's index); a zero cut reads nothing."""
+        if self.zero:
+            raise ValueError("a zero cut reads nothing: build its zeros from the parameter's shape")
+        pieces = [read(p) for p in self.parts]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+    def apply(self, full: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(full) if self.zero else self.take(lambda idx: full[idx])
+
+
+def _along(dim: int, r: range, ndim: int) -> tuple[slice, ...]:
+    """The index keeping ``r`` of dimension ``dim`` (negative: from the end) and all of the others."""
+    idx = [slice(None)] * ndim
+    idx[dim] = slice(r.start, r.stop)
+    return tuple(idx)
+
+
+def _linear_cuts(name: str, module: nn.Linear, style: str, layout: ShardLayout) -> dict[str, Cut]:
     w = module.weight
     if style == "colwise":
         r = _out_range(name, w.shape[0], layout)
-        module.weight = _param(w[r.start : r.stop])
+        cuts = {"weight": Cut((_along(0, r, 2),))}
         if module.bias is not None:
-            module.bias = _param(module.bias[r.start : r.stop])
-        module.out_features = len(r)
-    else:  # rowwise: partial sums, added up by the sublayer's all-reduce; the bias once (rank 0)
-        r = _in_range(name, w.shape[1], layout)
-        module.weight = _param(w[:, r.start : r.stop])
-        if module.bias is not None and layout.rank:
-            module.bias = _param(torch.zeros_like(module.bias))
-        module.in_features = len(r)
+            cuts["bias"] = Cut((_along(0, r, 1),))
+        return cuts
+    # rowwise: partial sums, added up by the sublayer's all-reduce; the bias once (rank 0)
+    r = _in_range(name, w.shape[1], layout)
+    cuts = {"weight": Cut((_along(1, r, 2),))}
+    if module.bias is not None and layout.rank:
+        cuts["bias"] = Cut((), zero=True)
+    return cuts
 
 
-def _shard_expert_param(owner: nn.Module, leaf: str, style: str, layout: ShardLayout) -> None:
+def _shard_linear(name: str, module: nn.Linear, style: str, layout: ShardLayout) -> dict[str, Cut]:
+    cuts = _linear_cuts(name, module, style, layout)
+    for leaf, cut in cuts.items():
+        setattr(module, leaf, _param(cut.apply(getattr(module, leaf))))
+    if style == "colwise":
+        module.out_features = module.weight.shape[0]
+    else:
+        module.in_features = module.weight.shape[1]
+    return cuts
+
+
+def _expert_cut(w: torch.Tensor, style: str, layout: ShardLayout) -> Cut:
     """Fused expert weights: ``gate_up_proj`` [E, 2I, H] (packed_colwise), ``down_proj`` [E, H, I] (rowwise)."""
-    w = getattr(owner, leaf)
     if style == "packed_colwise":
         half = w.shape[1] // 2
         r = layout.even(half)
-        parts = (w[:, r.start : r.stop], w[:, half + r.start : half + r.stop])
-        setattr(owner, leaf, _param(torch.cat(parts, dim=1)))
-        if hasattr(owner, "intermediate_dim"):
-            owner.intermediate_dim = len(r)  # type: ignore[assignment]  # an int attribute nn.Module types loosely
-    else:
-        r = layout.even(w.shape[-1])
-        setattr(owner, leaf, _param(w[..., r.start : r.stop]))
+        second = range(half + r.start, half + r.stop)
+        return Cut((_along(1, r, w.dim()), _along(1, second, w.dim())), dim=1)
+    return Cut((_along(-1, layout.even(w.shape[-1]), w.dim()),))
+
+
+def _shard_expert_param(owner: nn.Module, leaf: str, style: str, layout: ShardLayout) -> Cut:
+    w = getattr(owner, leaf)
+    cut = _expert_cut(w, style, layout)
+    setattr(owner, leaf, _param(cut.apply(w)))
+    if style == "packed_colwise" and hasattr(owner, "intermediate_dim"):
+        owner.intermediate_dim = len(layout.even(w.shape[1] // 2))  # type: ignore[assignment]  # an int attribute nn.Module types loosely
+    return cut
 
 
 def _all_reduce_hook(stats: CommStats) -> Callable[[nn.Module, Any, Any], Any]:
@@ -178,9 +222,10 @@ def _all_reduce_hook(stats: CommStats) -> Callable[[nn.Module, Any, Any], Any]:
     return hook
 
 
-def _vocab_parallel_embedding(embed: nn.Embedding, layout: ShardLayout, stats: CommStats) -> None:
+def _vocab_parallel_embedding(embed: nn.Embedding, layout: ShardLayout, stats: CommStats) -> Cut:
     r = layout.even(embed.weight.shape[0])
-    embed.weight = _param(embed.weight[r.start : r.stop])
+    cut = Cut((_along(0, r, 2),))
+    embed.weight = _param(cut.apply(embed.weight))
     inner = embed.forward  # the family's own (a scaled embedding scales: linear, so it commutes)
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
@@ -191,15 +236,18 @@ def _vocab_parallel_embedding(embed: nn.Embedding, layout: ShardLayout, stats: C
         return out
 
     embed.forward = forward  # type: ignore[method-assign, assignment]  # the instance's forward, not the class's
+    return cut
 
 
 def _gathered_lm_head(
     head: nn.Linear, vocab: int, layout: ShardLayout, tied: nn.Parameter | None, stats: CommStats
-) -> None:
+) -> dict[str, Cut]:
     r = layout.even(vocab)
-    head.weight = tied if tied is not None else _param(head.weight[r.start : r.stop])
+    cuts = {"weight": Cut((_along(0, r, 2),))}
+    head.weight = tied if tied is not None else _param(cuts["weight"].apply(head.weight))
     if head.bias is not None:
-        head.bias = _param(head.bias[r.start : r.stop])
+        cuts["bias"] = Cut((_along(0, r, 1),))
+        head.bias = _param(cuts["bias"].apply(head.bias))
     sizes = [len(dataclasses.replace(layout, rank=i).even(vocab)) for i in range(layout.world_size)]
     width = sizes[0]  # rank 0's slice is the widest: every slice pads to it for the gather
     inner = head.forward
@@ -216,6 +264,7 @@ def _gathered_lm_head(
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
     head.forward = forward  # type: ignore[method-assign, assignment]  # as the embedding's
+    return cuts
 
 
 def _sublayer(name: str) -> str:
@@ -225,28 +274,40 @@ def _sublayer(name: str) -> str:
     return ".".join(parts[: i + 2])
 
 
-def shard_model(model: PreTrainedModel, layout: ShardLayout, stats: CommStats) -> None:
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def shard_model(model: PreTrainedModel, layout: ShardLayout, stats: CommStats) -> dict[str, Cut]:
     """Cut ``model`` down to rank ``layout.rank``'s shard, in place; collectives join the forward
-    (and are counted in ``stats``)."""
+    (and are counted in ``stats``). Returns each split parameter's cut by its name in ``model``
+    (the rest stay whole): on a meta-device skeleton, what ``worker.model.shard_loader`` reads."""
     plan = _plan(model)
     base = model.base_model
+    prefix = _name_of(model, base)
+    full = (lambda n: f"{prefix}.{n}") if prefix else (lambda n: n)
+    cuts: dict[str, Cut] = {}
     row_parallel: set[str] = set()
     for name, module in list(base.named_modules()):
         style = _style(plan, name)
         if isinstance(module, nn.Linear) and style in _SPLIT:
-            _shard_linear(name, module, style, layout)
+            for leaf, cut in _shard_linear(name, module, style, layout).items():
+                cuts[full(f"{name}.{leaf}")] = cut
             if style == "rowwise":
                 row_parallel.add(_sublayer(name))
         for leaf, _ in list(module.named_parameters(recurse=False)):
             leaf_style = _style(plan, f"{name}.{leaf}")
             if leaf_style in _SPLIT:
-                _shard_expert_param(module, leaf, leaf_style, layout)
+                cuts[full(f"{name}.{leaf}")] = _shard_expert_param(module, leaf, leaf_style, layout)
                 if leaf_style == "rowwise":
                     row_parallel.add(_sublayer(name))
     for sub in sorted(row_parallel):
         base.get_submodule(sub).register_forward_hook(_all_reduce_hook(stats))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embed_name, head_name = _name_of(model, embed), _name_of(model, head)
     tied = head.weight is embed.weight
     vocab = int(head.weight.shape[0])
-    _vocab_parallel_embedding(embed, layout, stats)
-    _gathered_lm_head(head, vocab, layout, embed.weight if tied else None, stats)
+    cuts[f"{embed_name}.weight"] = _vocab_parallel_embedding(embed, layout, stats)
+    for leaf, cut in _gathered_lm_head(head, vocab, layout, embed.weight if tied else None, stats).items():
+        cuts[f"{head_name}.{leaf}"] = cut
+    return cuts
