@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from worker.model.loader import load_dtype, auto_dtype, from_pretrained_kwargs, load_model
+from worker.model.loader import auto_dtype, from_pretrained_kwargs, load_dtype, load_model
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
