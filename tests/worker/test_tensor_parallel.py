@@ -76,6 +76,12 @@ def _tp2(path: str, loaded: LoadedModel, **kw: Any) -> LLMEngine:
 def _tp2_config(path: str, loaded: LoadedModel, **kw: Any) -> EngineConfig:
     """The TP = 2 engine's: the TP = 1 engine's limits, and a KV pool of the same number of blocks."""
     per_rank = dataclasses.replace(loaded, shard=ShardLayout.of(loaded.config, 0, 2))
+    fields: dict[str, Any] = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 24,
+        "kv_cache_bytes": BLOCKS * block_bytes(per_rank, BLOCK_SIZE),
+        "collective_timeout_s": 120,
+    }
     return EngineConfig(
         model=path,
         dtype="float32",
@@ -83,11 +89,7 @@ def _tp2_config(path: str, loaded: LoadedModel, **kw: Any) -> EngineConfig:
         tensor_parallel_size=2,
         load_entry_points=False,
         block_size=BLOCK_SIZE,
-        max_num_seqs=8,
-        max_num_batched_tokens=24,
-        kv_cache_bytes=BLOCKS * block_bytes(per_rank, BLOCK_SIZE),
-        collective_timeout_s=120,
-        **kw,
+        **{**fields, **kw},
     )
 
 
@@ -219,3 +221,30 @@ def test_a_dead_rank_kills_the_async_engine_with_engine_dead_error(tmp_path, tin
             await engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def test_tp2_tokens_equal_tp1_through_cascade_steps(tmp_path, tiny_model: LoadedModel) -> None:
+    """Six requests behind one 128-token prefix: decode rows share 32 leading blocks, which pays
+    for cascade attention at the default thresholds (worker.model.cascade.cascade_pays), decided on
+    every rank from the same broadcast step; the tokens still equal TP = 1's."""
+    loaded = _build("llama", tmp_path, tiny_model.tokenizer)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(10, 2900, (128,), generator=g).tolist()
+    reqs = [
+        (prefix + torch.randint(10, 2900, (3,), generator=g).tolist(), SamplingParams(temperature=0.0, max_tokens=6))
+        for _ in range(6)
+    ]
+    blocks, batched = 96, 160
+    one = _engine(loaded, blocks=blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=batched)
+    want = _run(one, reqs)
+    assert one.runner.num_cascade_steps > 0, "the workload must take cascade steps"
+    per_rank = dataclasses.replace(loaded, shard=ShardLayout.of(loaded.config, 0, 2))
+    two = _tp2(
+        str(tmp_path), loaded, max_num_batched_tokens=batched, kv_cache_bytes=blocks * block_bytes(per_rank, BLOCK_SIZE)
+    )
+    try:
+        got = _run(two, reqs)
+        cascades = two.runner.num_cascade_steps
+    finally:
+        two.close()
+    assert cascades > 0 and _tokens(got) == _tokens(want)
