@@ -15,6 +15,10 @@ from worker.sampling_params import ALL_LOGPROBS, DEFAULT_MAX_LOGPROBS
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 
+# worker.model.attention.resolve_backend picks per device for "auto" and refuses one that cannot run.
+AttentionBackendName = Literal["auto", "torch", "flex"]
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
+
 # The dtype names the engine takes, each to its torch dtype's name (worker.model.loader); with
 # "auto" (the checkpoint's own), what a config file accepts too (cluster.config): one table.
 DTYPE_NAMES: dict[str, str] = {
@@ -68,6 +72,11 @@ class EngineConfig:
     # request holding every row gives way to a newcomer within a step; `priority` orders a key's
     # own requests); "priority" = vLLM's (priority, arrival); "fcfs" = arrival order.
     scheduling_policy: SchedulingPolicy = "fair"
+    # How attention reads the paged KV pool (worker.model.attention): "torch" gathers each row's
+    # blocks into a contiguous buffer, then SDPA (the reference); "flex" attends the pool in place
+    # through flex_attention and a block mask of the block tables (worker.model.flex_attention);
+    # "auto" = the measured best for the device: torch on CPU, flex on CUDA.
+    attention_backend: AttentionBackendName = "auto"
     # Ranks the model is sharded over (worker.executor.tensor_parallel): rank 0 is the engine's
     # process and keeps the scheduler, batch, processors and sampler; the others are processes it
     # starts. Each collective (and each rank's start) fails after collective_timeout_s seconds.
@@ -112,6 +121,10 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
         if self.stream_buffer_outputs < 2:
             raise ValueError(f"stream_buffer_outputs: must be >= 2, got {self.stream_buffer_outputs}")

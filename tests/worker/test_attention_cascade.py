@@ -116,6 +116,29 @@ def test_padding_block_zero_equal_to_a_shared_block_stays_out_of_the_prefix() ->
     assert common_prefix_blocks(torch.tensor([[5, 6], [4, 6]]), torch.tensor([8, 8]), 4) == 0
 
 
+def attend_step(
+    meta: StepMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One layer of the step through the attention function, as transformers calls it."""
+    with torch.inference_mode():
+        out, _ = paged_kv_attention(
+            SimpleNamespace(layer_idx=0),
+            query,
+            key,
+            value,
+            None,
+            logitpool_step=meta,
+            sliding_window=window,
+            softcap=softcap,
+        )
+    return out
+
+
 @st.composite
 def chunk_steps(draw):
     kv_heads = draw(st.sampled_from([1, 2]))
@@ -165,17 +188,7 @@ def test_prompt_chunks_past_a_shared_prefix_equal_the_reference(step, seed) -> N
     outs = []
     for cascade in (split, None):
         meta = StepMetadata([k_cache], [v_cache], torch.tensor(slots), None, tuple(chunks), {}, cascade)
-        with torch.inference_mode():
-            out, _ = paged_kv_attention(
-                SimpleNamespace(layer_idx=0),
-                query,
-                key,
-                value,
-                None,
-                logitpool_step=meta,
-                sliding_window=window,
-                softcap=softcap,
-            )
+        out = attend_step(meta, query, key, value, window, softcap)
         outs.append(out[0])
     scale = dim**-0.5
     for tok, n, start, table in zip(token_starts, sizes, starts, tables):

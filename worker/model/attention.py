@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +34,32 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from worker.model.cascade import SharedChunks, SharedPrefix, cascade_chunks, cascade_decode
+from worker.model.flex_attention import FlexPlan, build_plan, flex_paged_attention, flex_unavailable
 from worker.model.gather import gather_blocks
 
 ATTENTION_NAME = "logitpool_paged_kv"
 METADATA_KWARG = "logitpool_step"
+
+# The backends a runner resolves ``EngineConfig.attention_backend`` to: "torch" gathers each row's
+# blocks and runs SDPA (this module; the reference), "flex" reads the pool in place
+# (worker.model.flex_attention).
+AttentionBackend = Literal["torch", "flex"]
+
+
+def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` -> the measured best for the device (docs/benchmarks.md, "Attention backends"):
+    torch on CPU, where eager flex scores the whole pool; flex on CUDA, where it saves the gather
+    copy. A backend that cannot run on ``device`` is refused with one line naming the field."""
+    if name == "auto":
+        name = "flex" if device.type == "cuda" and flex_unavailable(device) is None else "torch"
+    if name == "flex":
+        reason = flex_unavailable(device)
+        if reason is not None:
+            raise ValueError(f"attention_backend: flex cannot run on {device}: {reason}")
+        return "flex"
+    if name != "torch":
+        raise ValueError(f"attention_backend: must be one of auto, torch, flex, got {name!r}")
+    return "torch"
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,8 @@ class StepMetadata:
     # Gather buffers, owned by the runner and reused by every layer and step (see gather_blocks).
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
     shared_chunks: SharedChunks | None = None  # all chunks past one shared prefix: cascade attention
+    backend: AttentionBackend = "torch"
+    _flex_plan: FlexPlan | None = None  # built by the first layer (flex backend)
     # Masks per sliding window (None = full causal), built by the first layer that needs them.
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _chunk_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
@@ -229,6 +253,12 @@ def paged_kv_attention(
     v_cache.view(kv_heads, -1, dim).index_copy_(1, meta.slot_mapping, value[0])
 
     q = query[0].transpose(0, 1)  # [T, H, D]
+    if meta.backend == "flex":
+        if meta._flex_plan is None:
+            meta._flex_plan = build_plan(meta)
+        scale = dim**-0.5 if scaling is None else scaling
+        out = flex_paged_attention(q, k_cache, v_cache, meta._flex_plan, meta, window, scale, softcap)
+        return out.unsqueeze(0), None
     out = q.new_empty(q.shape)
     if meta.decode is not None:
         out.index_copy_(0, meta.decode.token_index, _decode(q, k_cache, v_cache, meta, window, scaling, softcap))

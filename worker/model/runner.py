@@ -26,6 +26,7 @@ from worker.model.attention import (
     StepMetadata,
     prepared_mask_sentinel,
     register_attention,
+    resolve_backend,
 )
 from worker.model.cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
 from worker.model.gather import head_major
@@ -85,7 +86,11 @@ class ModelRunner:
         num_blocks: int,
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_model_len: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
+        """``attention_backend``: ``EngineConfig.attention_backend``; refused here, at start-up,
+        where the device cannot run it."""
+        self.attention_backend = resolve_backend(attention_backend, loaded.device)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -207,7 +212,9 @@ class ModelRunner:
         if len(chunk_args) > 1:
             cascade_chunks = shared_chunks(chunk_args, self.block_size, nb, kvh, self._device)
             self.num_cascade_chunk_steps += cascade_chunks is not None
-        meta = StepMetadata(self._k, self._v, t_slots, decode, tuple(chunks), self._workspace, cascade_chunks)
+        meta = StepMetadata(
+            self._k, self._v, t_slots, decode, tuple(chunks), self._workspace, cascade_chunks, self.attention_backend
+        )
         return t_ids, t_pos, t_keep, meta
 
     def _shared_blocks(self, padded: list[int], lengths: list[int], width: int) -> int:

@@ -137,6 +137,7 @@ applications:
         kv_cache_memory_fraction: {{ $v.engine.kvCacheMemoryFraction | toJson }}
         enable_prefix_caching: {{ $v.engine.enablePrefixCaching | toJson }}
         scheduling_policy: {{ $v.engine.schedulingPolicy | toJson }}
+        attention_backend: {{ $v.engine.attentionBackend | toJson }}
         stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}
         tensor_parallel_size: {{ $v.engine.tensorParallelSize | toJson }}
         collective_timeout_s: {{ $v.engine.collectiveTimeoutS | toJson }}
