@@ -158,7 +158,11 @@ class LLMEngine:
         size = kv_size(loaded, config, self.max_model_len, memory, start)
         self.kv_budget = size.budget
         return ModelRunner(
-            loaded, num_blocks=size.num_blocks, block_size=config.block_size, max_model_len=self.max_model_len
+            loaded,
+            num_blocks=size.num_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            attention_backend=config.attention_backend,
         )
 
     def _init_state(self) -> None:

@@ -133,3 +133,18 @@ def test_backend_choice_per_device() -> None:
         resolve_backend("flex", torch.device("meta"))
     with pytest.raises(ValueError, match="attention_backend: must be one of auto, torch, flex, got 'triton'"):
         EngineConfig(attention_backend="triton")  # type: ignore[arg-type]  # the wrong value is the test
+
+
+def test_the_engine_runs_the_flex_backend_with_the_same_greedy_tokens(tiny_model) -> None:
+    """engine.attention_backend reaches the engine's runner: flex gives the torch path's tokens."""
+    from tests.worker.test_engine import make_llm, prompts_of
+    from worker import SamplingParams
+
+    prompts = prompts_of(tiny_model, 3, seed=31)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for backend in ("torch", "flex"):
+        llm = make_llm(tiny_model, attention_backend=backend)
+        assert llm.engine.runner.attention_backend == backend
+        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert runs["flex"] == runs["torch"]

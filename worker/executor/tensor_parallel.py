@@ -197,7 +197,11 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection) -> None:
         own = kv_size(loaded, rs.config, rs.max_model_len, memory, start, sample=False)
         bs = rs.config.block_size
         runner = ModelRunner(
-            loaded, num_blocks=group_min(own.num_blocks, loaded.device), block_size=bs, max_model_len=rs.max_model_len
+            loaded,
+            num_blocks=group_min(own.num_blocks, loaded.device),
+            block_size=bs,
+            max_model_len=rs.max_model_len,
+            attention_backend=rs.config.attention_backend,
         )
         buf = torch.zeros(rs.capacity, dtype=torch.int32, device=loaded.device)
         conn.send(("ready", RankReport(rank, weight_bytes(loaded.model), own)))
@@ -294,7 +298,12 @@ class TensorParallelGroup:
         bs = config.block_size
         num_blocks = group_min(own.num_blocks, self.loaded.device)
         runner = TensorParallelRunner(
-            self.loaded, self, num_blocks=num_blocks, block_size=bs, max_model_len=max_model_len
+            self.loaded,
+            self,
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_model_len=max_model_len,
+            attention_backend=config.attention_backend,
         )
         self._buf = torch.zeros(capacity, dtype=torch.int32, device=self.loaded.device)
         reports = [RankReport(0, weight_bytes(self.loaded.model), own), *self._expect("ready")]

@@ -48,10 +48,11 @@ AttentionBackend = Literal["torch", "flex"]
 
 def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
     """``auto`` -> the measured best for the device (docs/benchmarks.md, "Attention backends"):
-    torch on CPU, where eager flex scores the whole pool; flex on CUDA, where it saves the gather
-    copy. A backend that cannot run on ``device`` is refused with one line naming the field."""
+    torch, on CPU (where eager flex scores the whole pool) and, until flex is measured on a GPU,
+    on CUDA too (flex there is opt-in). A backend that cannot run on ``device`` is refused with
+    one line naming the field."""
     if name == "auto":
-        name = "flex" if device.type == "cuda" and flex_unavailable(device) is None else "torch"
+        name = "torch"
     if name == "flex":
         reason = flex_unavailable(device)
         if reason is not None:
