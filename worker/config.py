@@ -77,6 +77,10 @@ class EngineConfig:
     # through flex_attention and a block mask of the block tables (worker.model.flex_attention);
     # "auto" = the measured best for the device: torch on CPU, flex on CUDA.
     attention_backend: AttentionBackendName = "auto"
+    # Fuse each layer's q/k/v and gate/up projections into one GEMM apiece and its RMSNorms into
+    # one kernel, where the model family allows (worker.model.fusion): the same numbers (bitwise
+    # on CPU), fewer kernel launches per step.
+    fused_layers: bool = True
     # Ranks the model is sharded over (worker.executor.tensor_parallel): rank 0 is the engine's
     # process and keeps the scheduler, batch, processors and sampler; the others are processes it
     # starts. Each collective (and each rank's start) fails after collective_timeout_s seconds.

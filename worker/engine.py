@@ -163,6 +163,7 @@ class LLMEngine:
             block_size=config.block_size,
             max_model_len=self.max_model_len,
             attention_backend=config.attention_backend,
+            fused_layers=config.fused_layers,
         )
 
     def _init_state(self) -> None:

@@ -13,6 +13,7 @@ blocks and it pays, the metadata marks the split for cascade attention (``worker
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -29,8 +30,11 @@ from worker.model.attention import (
     resolve_backend,
 )
 from worker.model.cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
+from worker.model.fusion import fuse_layers
 from worker.model.gather import head_major
 from worker.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -87,9 +91,10 @@ class ModelRunner:
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_model_len: int | None = None,
         attention_backend: str = "auto",
+        fused_layers: bool = True,
     ) -> None:
         """``attention_backend``: ``EngineConfig.attention_backend``; refused here, at start-up,
-        where the device cannot run it."""
+        where the device cannot run it. ``fused_layers``: ``EngineConfig.fused_layers``."""
         self.attention_backend = resolve_backend(attention_backend, loaded.device)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -111,6 +116,8 @@ class ModelRunner:
         self._model = loaded.model
         self._device = loaded.device
         self._model.set_attn_implementation(register_attention())
+        if fused_layers:
+            logger.info("fused layers: %s", fuse_layers(self._model).describe())
         self._no_mask = prepared_mask_sentinel(loaded.device)
         self._workspace: dict[str, torch.Tensor] = {}
         self.num_cascade_steps = 0  # steps whose decode rows attended a shared prefix once (cascade)

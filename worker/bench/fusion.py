@@ -1,0 +1,91 @@
+"""`python -m worker.bench.fusion`: a decode step's forward with fused layers against without.
+
+The 80M peer model (``worker.bench.peer_model``) loaded twice, one runner with
+``fused_layers=True`` and one without, the same B decode rows at a context of L tokens each
+(KV contents do not change the work). Calls alternate between the two so that load on the
+machine falls on both alike; the median per step and the ratio are reported, with the number of
+kernels a step runs (``count_kernels``: each a launch on a GPU), counted by the profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from worker.bench.peer_model import peer_model_path
+from worker.model.loader import load_model
+from worker.model.runner import ModelRunner, ScheduledSeq
+
+BLOCK = 16
+
+
+def _rows(batch: int, context: int) -> list[ScheduledSeq]:
+    per_row = -(-(context + 1) // BLOCK)
+    return [ScheduledSeq(list(range(r * per_row, (r + 1) * per_row)), [11 + r], context, True) for r in range(batch)]
+
+
+# Ops that only make a view or look at metadata: no kernel runs for them.
+_VIEWS = (
+    "as_strided view _unsafe_view reshape resolve_conj resolve_neg result_type empty empty_strided detach detach_ "
+    "lift_fresh transpose t expand unsqueeze squeeze split split_with_sizes chunk slice select permute alias to "
+    "_to_copy contiguous size stride narrow"
+)
+_NO_KERNEL = frozenset("aten::" + n for n in _VIEWS.split(" "))
+
+
+def count_kernels(step: Callable[[], object]) -> int:
+    """The ops ``step`` dispatches that run a kernel (on a GPU, a launch each): innermost
+    compute ops, not the composites that call them nor views."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+
+    def computes(e: Any) -> bool:
+        return e.name.startswith("aten::") and e.name not in _NO_KERNEL
+
+    return sum(1 for e in prof.events() if computes(e) and not any(computes(c) for c in e.cpu_children))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker.bench.fusion")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=15)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = peer_model_path()
+    blocks = max(args.rows) * -(-(args.context + 1) // BLOCK)
+    runners = {
+        fused: ModelRunner(load_model(path, device="cpu", dtype="float32"), num_blocks=blocks, fused_layers=fused)
+        for fused in (False, True)
+    }
+    print(f"80M model, fp32, {args.threads} threads, context {args.context}; median of {args.reps} steps")
+    print("| rows | eager ms | fused ms | fused speed-up | kernels eager | kernels fused |")
+    print("|---|---|---|---|---|---|")
+    for batch in args.rows:
+        seqs = _rows(batch, args.context)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for runner in runners.values():
+            runner.execute(seqs)  # warm-up
+        for _ in range(args.reps):
+            for fused, runner in runners.items():
+                start = time.perf_counter()
+                runner.execute(seqs)
+                times[fused].append(time.perf_counter() - start)
+        eager_ms, fused_ms = (1e3 * statistics.median(times[k]) for k in (False, True))
+        ops = [count_kernels(functools.partial(runners[k].execute, seqs)) for k in (False, True)]
+        cells = [f"{eager_ms:.1f}", f"{fused_ms:.1f}", f"{eager_ms / fused_ms:.2f}x", *map(str, ops)]
+        print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
