@@ -309,20 +309,37 @@ def bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes * reps / (time.perf_counter() - t0)
 
 
-def _busy_ms(device: torch.device, step: Callable[[], object], steps: int) -> float | None:
-    """The GPU's busy (kernel and copy) time per step, from torch.profiler; None where unknown."""
-    if device.type != "cuda" or steps < 1:
-        return None
+@dataclass(frozen=True)
+class StepProfile:
+    busy_ms: float | None  # the GPU's kernel and copy time per step; None where unknown
+    kernels: int | None  # kernels run per step (on a GPU each a launch, or a node of a graph)
+
+
+def _profile_steps(device: torch.device, step: Callable[[], object], steps: int) -> StepProfile:
+    """Per step: the GPU's busy time (torch.profiler, CUDA) and the kernels run; on CPU the
+    kernels a step dispatches (``worker.bench.fusion.count_kernels``)."""
+    if device.type != "cuda":
+        from worker.bench.fusion import count_kernels
+
+        return StepProfile(None, count_kernels(step))
+    if steps < 1:
+        return StepProfile(None, None)
     try:
+        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 step()
             torch.cuda.synchronize(device)
-        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
+        events = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e3 / steps
+        kernels = sum(
+            e.count for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith(("Memcpy", "Memset"))
+        )
+        return StepProfile(busy, kernels // steps)
     except Exception:  # noqa: BLE001 - no CUPTI here: the row says n/a
-        return None
+        return StepProfile(None, None)
 
 
 def decode_rate(plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, bytes_per_s: float) -> Row:
@@ -349,7 +366,7 @@ def decode_rate(plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, 
         engine.step()
     _sync(device)
     step_ms = (time.perf_counter() - t0) * 1e3 / plan.timed_steps
-    busy = _busy_ms(device, engine.step, plan.profiled_steps)
+    prof = _profile_steps(device, engine.step, plan.profiled_steps)
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished():
@@ -360,11 +377,15 @@ def decode_rate(plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, 
     floor_ms = read / bytes_per_s * 1e3
     if device.type == "cpu":
         host = "all host (CPU)"
-    elif busy is None:
+    elif prof.busy_ms is None:
         host = "host n/a (no GPU timer)"
     else:
-        host = f"host {max(0.0, step_ms - busy):.1f} ms (GPU busy {busy:.1f})"
-    detail = f"step {step_ms:.1f} ms, {host}, floor {floor_ms:.2f} ms: {floor_ms / step_ms:.2f} of the floor"
+        host = f"host {max(0.0, step_ms - prof.busy_ms):.1f} ms (GPU busy {prof.busy_ms:.1f})"
+    kernels = "n/a" if prof.kernels is None else str(prof.kernels)
+    detail = (
+        f"step {step_ms:.1f} ms, {host}, {kernels} kernels/step, floor {floor_ms:.2f} ms: "
+        f"{floor_ms / step_ms:.2f} of the floor"
+    )
     return Row(f"decode batch {batch} ({plan.context} context)", f"{batch * 1e3 / step_ms:,.0f} tok/s", detail)
 
 
