@@ -18,16 +18,20 @@ One call's state lives in a ``_Call`` that each step method takes and fills in; 
 large temporaries live in the named slots of ``_Scratch``. Kernels read a group's rows in place,
 a run of consecutive rows at a time (``plan.Run``), rather than from a gathered copy.
 
-Non-finite logits, row by row (checked once after step 6 by ``ops.non_finite`` on the block
-maxima, which greedy argmax then reuses; one host read, nothing more in the common all-finite
-case): a row holding ``+inf`` is forced,
-its ``+inf`` tokens become 0 and every other token -inf, so greedy takes the lowest such id and
-a draw is uniform among them; a row holding NaN fails. A row left with no finite logit (or NaN)
-gets ``errors[row] = True``, token -1 and a message in ``error_messages``; the others are not
-affected. Host reads: the plan is read once per metadata object (i.e. per batch change); per
-step, the small routing flags (top-k ties, top-p probe hits, row validity, logprob ties) are
-read together in one transfer (``ops.host_reads``). Rows whose top-p nucleus does not fit the
-probe take a ``nonzero`` (one more sync on CUDA), and processed-mode logprob top-K one more read.
+Non-finite logits, row by row (``ops.non_finite``): the flags come from the block maxima after
+step 6, which greedy argmax then reuses; when random rows follow, every row is rewritten on the
+device, branch-free: a row holding ``+inf`` is forced, its ``+inf`` tokens become 0 and every
+other token -inf, so greedy takes the lowest such id and a draw is uniform among them; a row
+holding NaN fails. A row left with no finite logit (or NaN) gets ``errors[row] = True``, token -1
+and a message in ``error_messages``; the others are not affected.
+
+Host reads (docs/sampling.md "Host reads"): every one goes through ``ops.host_sync.to_host``. In
+the steady state the call reads ONCE: the tokens, the failure flags, the logprobs and the flags
+of the rare rows in one transfer; ``SamplerOutput`` is on the host. The rare rows (a top-k draw
+landing on a tie at the k-th place, a logprob top-K tie, processed logprobs modes, a top-p
+nucleus that does not fit the probe) take an exact pass after that read, with the same
+uniforms, and one more read (the histogram has its own besides). The plan is built from the
+metadata's host columns, without a read.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ NAN_LOGITS = "the logits held NaN"
 
 @dataclass(frozen=True)
 class SamplerOutput:
+    """The call's result, on the host (CPU tensors, brought over in the call's one read)."""
+
     sampled_token_ids: torch.Tensor  # [B] int64; -1 where errors
     logprobs: LogprobsTensors | None
     errors: torch.Tensor  # [B] bool: the row had no finite logit left, or held NaN
