@@ -15,7 +15,7 @@ import torch
 
 from worker.logits_processor.interface import AddedRequest, BatchUpdate, MoveDirectionality, MovedRequest
 from worker.ops.staging import DoubleBuffer
-from worker.sampling_metadata import SamplingMetadata
+from worker.sampling_metadata import HostColumns, SamplingMetadata
 from worker.sampling_params import SamplingParams
 
 # (request id, params, prompt token ids, LIVE output token ids[, the request's own generator])
@@ -300,4 +300,10 @@ class PersistentBatch:
             num_logprobs=dev("num_logprobs") if bool(asks.any()) else None,
             logprobs_modes=tuple(r.params.logprobs_mode for r in rows),
             no_penalties=not bool(cpu["uses_penalties"].any()),
+            host=HostColumns(
+                tuple(greedy.tolist()),
+                tuple(cpu["top_k"].tolist()),
+                tuple(cpu["top_p"].tolist()),
+                tuple(cpu["num_logprobs"].tolist()),
+            ),
         )

@@ -34,7 +34,9 @@ from worker.model.loader import LoadedModel, load_model, resolve_device, resolve
 from worker.model.memory import CudaMemory, DeviceMemory, KVBudget, MemorySnapshot, RankMemory, cuda_memory
 from worker.model.profile import kv_size
 from worker.model.runner import ModelRunner
+from worker.ops.host_sync import as_lists, host_lists
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
+from worker.ops.staging import stage
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
 from worker.request import Request, Scheduling
 from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
@@ -474,11 +476,13 @@ class LLMEngine:
         assert parent.prompt_logprobs is not None
         k = parent.children[0].params.prompt_logprobs or 0
         targets = parent.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
-        ids, vals, ranks = prompt_logprobs_topk(logits, torch.tensor(targets, device=logits.device), k)
+        dev = logits.device
+        target_ids = stage(targets, torch.int64, dev, pin=dev.type == "cuda")
+        ids, vals, ranks = host_lists(*prompt_logprobs_topk(logits, target_ids, k), label="prompt logprobs")
         # Each distinct token decoded once, in one call: per-token decodes dominated the cost.
-        distinct = ids.unique().tolist()
+        distinct = sorted({t for row in ids for t in row})
         names = dict(zip(distinct, self._backend.decode_batch([[t] for t in distinct], skip_special_tokens=False)))
-        for j, (row_ids, row_vals, rank) in enumerate(zip(ids.tolist(), vals.tolist(), ranks.tolist())):
+        for j, (row_ids, row_vals, rank) in enumerate(zip(ids, vals, ranks)):
             pos = start + 1 + j
             if parent.prompt_logprobs[pos] is None:
                 parent.prompt_logprobs_missing -= 1
@@ -487,10 +491,10 @@ class LLMEngine:
             parent.children[0].computes_prompt_logprobs = False
 
     def _append_samples(self, rows: list[ScheduledChunk], out: SamplerOutput) -> None:
-        tokens = out.sampled_token_ids.tolist()
-        errors = out.errors.tolist()
+        # The sampler's output is on the host already (its one read of the step): lists, no read.
+        tokens, errors = as_lists(out.sampled_token_ids, out.errors)
         lp = out.logprobs
-        lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) if lp is not None else None
+        lp_lists = as_lists(lp.token_ids, lp.logprobs, lp.ranks) if lp is not None else None
         for row, chunk in enumerate(rows):
             req = chunk.request
             if errors[row]:

@@ -18,22 +18,26 @@ One call's state lives in a ``_Call`` that each step method takes and fills in; 
 large temporaries live in the named slots of ``_Scratch``. Kernels read a group's rows in place,
 a run of consecutive rows at a time (``plan.Run``), rather than from a gathered copy.
 
-Non-finite logits, row by row (checked once after step 6 by ``ops.non_finite`` on the block
-maxima, which greedy argmax then reuses; one host read, nothing more in the common all-finite
-case): a row holding ``+inf`` is forced,
-its ``+inf`` tokens become 0 and every other token -inf, so greedy takes the lowest such id and
-a draw is uniform among them; a row holding NaN fails. A row left with no finite logit (or NaN)
-gets ``errors[row] = True``, token -1 and a message in ``error_messages``; the others are not
-affected. Host reads: the plan is read once per metadata object (i.e. per batch change); per
-step, the small routing flags (top-k ties, top-p probe hits, row validity, logprob ties) are
-read together in one transfer (``ops.host_reads``). Rows whose top-p nucleus does not fit the
-probe take a ``nonzero`` (one more sync on CUDA), and processed-mode logprob top-K one more read.
+Non-finite logits, row by row (``ops.non_finite``): the flags come from the block maxima after
+step 6, which greedy argmax then reuses; when random rows follow, every row is rewritten on the
+device, branch-free: a row holding ``+inf`` is forced, its ``+inf`` tokens become 0 and every
+other token -inf, so greedy takes the lowest such id and a draw is uniform among them; a row
+holding NaN fails. A row left with no finite logit (or NaN) gets ``errors[row] = True``, token -1
+and a message in ``error_messages``; the others are not affected.
+
+Host reads (docs/sampling.md "Host reads"): every one goes through ``ops.host_sync.to_host``. In
+the steady state the call reads ONCE: the tokens, the failure flags, the logprobs and the flags
+of the rare rows in one transfer; ``SamplerOutput`` is on the host. The rare rows (a top-k draw
+landing on a tie at the k-th place, a logprob top-K tie, processed logprobs modes, a top-p
+nucleus that does not fit the probe) take an exact pass after that read, with the same
+uniforms, and one more read (the histogram has its own besides). The plan is built from the
+metadata's host columns, without a read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -42,9 +46,9 @@ from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import LogitsProcessor
 from worker.ops.blocks import block_reduce, block_size
 from worker.ops.draw import draw_rows, draw_weights, row_block_sums, row_total, softmax_rows, uniforms
-from worker.ops.host_reads import HostReads
+from worker.ops.host_sync import as_lists, host_lists, to_host
 from worker.ops.logprobs import logprob_rows, sampled_logprob_and_rank, to_logprobs_
-from worker.ops.non_finite import resolve_non_finite_
+from worker.ops.non_finite import NonFinite, non_finite_rows, resolve_non_finite_
 from worker.ops.plan import RowGroup, SamplingPlan, build_plan
 from worker.ops.scratch import Buffer
 from worker.ops.select import ambiguous, resolve_topk, row_argmax, sort_by_value_then_id, topk_candidates
@@ -88,6 +92,8 @@ NAN_LOGITS = "the logits held NaN"
 
 @dataclass(frozen=True)
 class SamplerOutput:
+    """The call's result, on the host (CPU tensors, brought over in the call's one read)."""
+
     sampled_token_ids: torch.Tensor  # [B] int64; -1 where errors
     logprobs: LogprobsTensors | None
     errors: torch.Tensor  # [B] bool: the row had no finite logit left, or held NaN
@@ -117,36 +123,31 @@ class _Candidates:
 
 @dataclass(frozen=True)
 class _ExactTopK:
-    """An exact top-k (``ops.select``) between its halves: the candidates, and the queued flags of
-    the rows whose ties straddle the k-th place, which ``finish`` resolves once they are read."""
+    """An exact top-k (``ops.select``): the candidates, and the flags of the rows whose ties
+    straddle the k-th place (their ids among the tie are arbitrary until ``finish`` is told them)."""
 
     vals: torch.Tensor
     ids: torch.Tensor
     k: torch.Tensor  # [n] each row's own k
     kmax: int
     rows: RowGroup | None  # rows of x the candidates come from (None: all, in order)
-    tied: int  # HostReads handle
+    tied: torch.Tensor  # [n] bool, on the device
 
     @staticmethod
     def start(
-        x: torch.Tensor,
-        k: torch.Tensor,
-        kmax: int,
-        host: HostReads,
-        rows: RowGroup | None = None,
-        *,
-        finite_ties_only: bool = False,
+        x: torch.Tensor, k: torch.Tensor, kmax: int, rows: RowGroup | None = None, *, finite_ties_only: bool = False
     ) -> _ExactTopK:
         vals, ids = topk_candidates(x, kmax, rows)
         tied = ambiguous(vals, k)
         if finite_ties_only:  # ties of -inf at the k-th place change no draw (they carry no mass)
             tied &= torch.isfinite(vals.gather(1, (k - 1)[:, None]).squeeze(1))
-        return _ExactTopK(vals, ids, k, kmax, rows, host.queue(tied))
+        return _ExactTopK(vals, ids, k, kmax, rows, tied)
 
-    def finish(self, x: torch.Tensor, host: HostReads) -> tuple[torch.Tensor, torch.Tensor]:
-        tied = [i for i, a in enumerate(host.read(self.tied)) if a]
+    def finish(self, x: torch.Tensor, exact: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-``kmax`` columns; exact where no tie straddles the k-th place and on the rows
+        ``exact`` (host list: the tied rows, once read), arbitrary among the tie elsewhere."""
         index = None if self.rows is None else self.rows.index
-        return resolve_topk(x, self.vals, self.ids, self.k, self.kmax, tied, rows=index)
+        return resolve_topk(x, self.vals, self.ids, self.k, self.kmax, list(exact), rows=index)
 
 
 @dataclass(frozen=True)
@@ -158,12 +159,12 @@ class _LogprobRows:
     topk: _ExactTopK | None  # None: the rows asked for no top-K
 
     @staticmethod
-    def start(rows: RowGroup, src: torch.Tensor, num_logprobs: int | None, host: HostReads) -> _LogprobRows:
+    def start(rows: RowGroup, src: torch.Tensor, num_logprobs: int | None) -> _LogprobRows:
         k = min(num_logprobs or 0, src.shape[1])
         if k <= 0:
             return _LogprobRows(rows, src, None)
         kk = torch.full((src.shape[0],), k, dtype=torch.int64, device=src.device)
-        return _LogprobRows(rows, src, _ExactTopK.start(src, kk, k, host))
+        return _LogprobRows(rows, src, _ExactTopK.start(src, kk, k))
 
 
 @dataclass
@@ -173,15 +174,16 @@ class _Call:
     x: torch.Tensor  # [B, V] float32, processed in place
     plan: SamplingPlan
     scratch: _Scratch
-    host: HostReads
     tokens: torch.Tensor  # [B] int64
     ok: torch.Tensor  # [B] bool
-    bmax: torch.Tensor | None = None  # block maxima after step 6: the non-finite check, greedy argmax
-    nan_rows: torch.Tensor | None = None  # [B] bool, None when no row held NaN
+    bmax: torch.Tensor | None = None  # block maxima after step 6: the non-finite flags, greedy argmax
+    nf: NonFinite | None = None  # the rows' NaN / +inf flags after step 6
+    u: torch.Tensor | None = None  # 7d: the random rows' uniforms (the exact pass draws with them again)
     raw: _LogprobRows | None = None  # 1
     greedy_processed: torch.Tensor | None = None  # 7: the processed-mode rows as step 7 saw them
     topk: _TopKRows | None = None  # 7c-7d
     full: _FullRows | None = None  # 7c-7d
+    raw_exact: list[int] = field(default_factory=list)  # step 1 rows whose top-K tie the exact pass resolves
 
     def decide(self, rows: RowGroup, tokens: torch.Tensor, ok: torch.Tensor) -> None:
         self.tokens.index_copy_(0, rows.index, tokens)
@@ -190,16 +192,23 @@ class _Call:
 
 class _TopKRows:
     """7c-7d for the rows with 0 < top_k < V: exact top-k, top-p over the renormalised candidates,
-    the draw among them. The constructor queues the tie flags; ``draw`` runs after they are read."""
+    the draw among them.
+
+    A tie straddling the k-th place leaves the tied candidates' ids arbitrary, but not their
+    values: every position's probability, the top-p cut and the drawn column are what the exact
+    ids give. Only a draw that lands on a probability equal to the k-th one can take a wrong
+    id; ``redo`` flags those rows for the exact pass, which draws again with the exact ids.
+    """
 
     def __init__(self, call: _Call) -> None:
         plan = call.plan
-        self._topk = _ExactTopK.start(call.x, plan.topk_k, plan.topk_kmax, call.host, plan.topk, finite_ties_only=True)
+        self.exact = _ExactTopK.start(call.x, plan.topk_k, plan.topk_kmax, plan.topk, finite_ties_only=True)
         self.kept: _Candidates | None = None  # set by draw
+        self.redo: torch.Tensor | None = None  # [nk] bool, set by draw
 
-    def draw(self, call: _Call, u: torch.Tensor) -> None:
+    def draw(self, call: _Call, u: torch.Tensor, exact: Sequence[int] = ()) -> None:
         plan = call.plan
-        vals, ids = self._topk.finish(call.x, call.host)
+        vals, ids = self.exact.finish(call.x, exact)
         in_k = torch.arange(plan.topk_kmax, device=vals.device)[None, :] < plan.topk_k[:, None]
         q = torch.softmax(vals.masked_fill(~in_k, _NEG_INF), -1)
         perm = _order_by_prob(q, ids)
@@ -208,12 +217,17 @@ class _TopKRows:
         col, row_ok = draw_weights(q * keep, u)
         call.decide(plan.topk, ids.gather(1, col[:, None]).squeeze(1), row_ok)
         self.kept = _Candidates(ids, keep)
+        kth = q.gather(1, (plan.topk_k - 1)[:, None])  # q is in descending order: the k-th probability
+        self.redo = self.exact.tied & row_ok & (q.gather(1, col[:, None]) == kth).squeeze(1)
 
 
 class _FullRows:
     """7c-7d for the other random rows: softmax over the vocabulary, top-p (the probe, else the
-    histogram), the two-level inverse-CDF draw. The constructor queues the rows' validity and
-    probe flags; ``draw`` runs after they are read."""
+    histogram), the two-level inverse-CDF draw.
+
+    ``draw`` settles every row the probe settles (and every row without top-p); a valid top-p
+    row whose nucleus does not fit the probe is flagged in ``missed``, and the exact pass cuts it
+    with the histogram and draws it again (``redraw``)."""
 
     def __init__(self, call: _Call) -> None:
         plan, ntp = call.plan, call.plan.n_top_p
@@ -222,30 +236,36 @@ class _FullRows:
         )
         self._bsum = row_block_sums(self.probs)
         totals = row_total(self._bsum.to(torch.float64))
-        self._valid = call.host.queue((totals > 0) & torch.isfinite(totals))
+        self.valid = ((totals > 0) & torch.isfinite(totals))[:ntp]  # [ntp] bool
         self.probe: _Candidates | None = None
-        self.hits: list[int] = []  # per top-p row, set by draw: the probe settled its nucleus
-        self.histogram_rows: tuple[int, ...] = ()  # set by draw: top-p rows cut by the histogram
+        self.hit: torch.Tensor | None = None  # [ntp] bool: the probe settled the row's nucleus
+        self.missed: torch.Tensor | None = None  # [ntp] bool: valid, not settled by the probe
+        self.hits: list[bool] = []  # host copy of ``hit``, set by redraw
+        self.histogram_rows: tuple[int, ...] = ()  # set by redraw: top-p rows cut by the histogram
         if ntp:
-            ids, self._probe_probs, keep, hit = top_p_probe(self.probs[:ntp], plan.top_p, totals[:ntp])
-            self.probe, self._hits = _Candidates(ids, keep), call.host.queue(hit)
+            ids, self._probe_probs, keep, self.hit = top_p_probe(self.probs[:ntp], plan.top_p, totals[:ntp])
+            self.probe = _Candidates(ids, keep)
+            self.missed = self.valid & ~self.hit
 
     def draw(self, call: _Call, u: torch.Tensor) -> None:
-        plan, ntp = call.plan, call.plan.n_top_p
-        valid = call.host.read(self._valid)
-        self.hits = call.host.read(self._hits) if ntp else []
-        self.histogram_rows = tuple(i for i in range(ntp) if valid[i] and not self.hits[i])
+        tok, row_ok = draw_rows(self.probs, u, self._bsum)
+        if self.hit is not None:
+            assert self.probe is not None
+            ntp = call.plan.n_top_p
+            col, _ = draw_weights(self._probe_probs * self.probe.keep, u[:ntp])
+            tok[:ntp] = torch.where(self.hit, self.probe.ids.gather(1, col[:, None]).squeeze(1), tok[:ntp])
+        call.decide(call.plan.full, tok, row_ok)
+
+    def redraw(self, call: _Call, u: torch.Tensor, hits: list[bool], valid: list[bool]) -> None:
+        """The exact pass, given the host copies of ``hit`` and ``valid``: the histogram cuts the
+        rows the probe missed, and every row is drawn again from the same uniforms."""
+        self.hits = hits
+        self.histogram_rows = tuple(i for i in range(call.plan.n_top_p) if valid[i] and not hits[i])
         if self.histogram_rows:
             self._nucleus_by_histogram(call, valid)
-        tok, row_ok = draw_rows(self.probs, u, self._bsum)
-        if any(self.hits):
-            assert self.probe is not None
-            col, _ = draw_weights(self._probe_probs * self.probe.keep, u[:ntp])
-            hit = torch.tensor(self.hits, dtype=torch.bool, device=tok.device)
-            tok[:ntp] = torch.where(hit, self.probe.ids.gather(1, col[:, None]).squeeze(1), tok[:ntp])
-        call.decide(plan.full, tok, row_ok)
+            self.draw(call, u)
 
-    def _nucleus_by_histogram(self, call: _Call, valid: list[int]) -> None:
+    def _nucleus_by_histogram(self, call: _Call, valid: list[bool]) -> None:
         """Top-p on ``histogram_rows`` in place; their block sums refreshed.
 
         When those rows nearly fill a slice of ``probs`` (every row in it valid), the slice is
@@ -265,6 +285,26 @@ class _FullRows:
         top_p_histogram_(part, top_p.index_select(0, idx), call.scratch.top_p)
         self.probs.index_copy_(0, idx, part)
         self._bsum.index_copy_(0, idx, row_block_sums(part))
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What one host read brought: the results, and the flags that say whether the exact pass
+    must run (host lists, empty where the group has no rows)."""
+
+    tokens: torch.Tensor  # [B] int64, host
+    errors: torch.Tensor  # [B] bool, host
+    logprobs: LogprobsTensors | None  # host
+    nan: list[bool] = field(default_factory=list)  # the first read's: rows that held NaN after step 6
+    topk_tied: list[bool] = field(default_factory=list)
+    topk_redo: list[bool] = field(default_factory=list)
+    hits: list[bool] = field(default_factory=list)
+    valid: list[bool] = field(default_factory=list)
+    missed: list[bool] = field(default_factory=list)
+    raw_tied: list[bool] = field(default_factory=list)
+
+    def needs_exact_pass(self, plan: SamplingPlan) -> bool:
+        return bool(len(plan.processed) or any(self.topk_redo) or any(self.missed) or any(self.raw_tied))
 
 
 def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
@@ -315,6 +355,7 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample one token per row. float32 ``logits`` are processed in place; ``pristine`` (an
         untouched copy, when the caller keeps one) lets a NaN be traced to the processor that made it.
+        The output is on the host (see the module docstring for its reads).
         """
         call = self._start(logits, metadata)  # 2
         if pristine is None and call.x is not logits:
@@ -326,18 +367,20 @@ class Sampler:
         if not call.plan.all_greedy:
             self._temperature_and_invariant(call)  # 7a-7b
             self._top_k_top_p_and_draw(call)  # 7c-7d
-        if call.nan_rows is not None:
-            call.ok &= ~call.nan_rows
-        call.tokens = torch.where(call.ok, call.tokens, -1)
-        logprobs = self._logprobs(call)  # 8
-        return SamplerOutput(call.tokens, logprobs, ~call.ok, self._error_messages(call, pristine, metadata))  # 9
+        read = self._read(call, first=True)  # 8, and the step's one host read
+        if read.needs_exact_pass(call.plan):
+            self._exact_pass(call, read)
+            read = replace(self._read(call, first=False), nan=read.nan)
+        return SamplerOutput(
+            read.tokens, read.logprobs, read.errors, self._error_messages(call, pristine, metadata, read)
+        )  # 9
 
     def _start(self, logits: torch.Tensor, metadata: SamplingMetadata) -> _Call:
         plan = self._plan_for(metadata, logits)
         x = (logits if logits.dtype == torch.float32 else logits.float()).contiguous()  # 2
         b, dev = plan.batch_size, x.device
         tokens = torch.full((b,), -1, dtype=torch.int64, device=dev)
-        return _Call(x, plan, self._scratch, HostReads(), tokens, torch.ones(b, dtype=torch.bool, device=dev))
+        return _Call(x, plan, self._scratch, tokens, torch.ones(b, dtype=torch.bool, device=dev))
 
     # -- step 1 ----------------------------------------------------------------------------
 
@@ -347,9 +390,9 @@ class Sampler:
             return None
         out = call.scratch.raw.take((len(plan.raw), call.x.shape[1]), torch.float32, call.x.device)
         src = logprob_rows(call.x, plan.raw, plan.raw_modes, out)
-        return _LogprobRows.start(plan.raw, src, plan.num_logprobs, call.host)
+        return _LogprobRows.start(plan.raw, src, plan.num_logprobs)
 
-    # -- steps 3-6 and the non-finite check ------------------------------------------------
+    # -- steps 3-6 and the non-finite rules ------------------------------------------------
 
     def _before_sampling(self, x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Steps 3-6: the non-argmax-invariant processors in registry order, then penalties."""
@@ -361,23 +404,38 @@ class Sampler:
 
     @staticmethod
     def _non_finite(call: _Call) -> None:
-        # Block maxima: the non-finite check reads them, and greedy rows reuse them for argmax.
+        """The rows' NaN / +inf flags from the block maxima (which greedy argmax then reuses).
+
+        When random rows follow, the rules rewrite every row now (``ops.non_finite``: two passes,
+        no read), so steps 7a-7d and the argmax-invariant processors see the rewritten rows. An
+        all-greedy batch needs no rewrite: its argmax already takes the lowest ``+inf`` id.
+        """
         call.bmax = block_reduce(call.x, block_size(call.x.shape[1]), "amax")
-        call.nan_rows = resolve_non_finite_(call.x, call.bmax)
+        call.nf = non_finite_rows(call.bmax)
+        if not call.plan.all_greedy:
+            resolve_non_finite_(call.x, call.nf)
+            resolve_non_finite_(call.bmax, call.nf)
 
     # -- step 7 ----------------------------------------------------------------------------
 
     @staticmethod
     def _greedy(call: _Call) -> None:
-        """Greedy tokens: the argmax reads only each row's winning block (``call.bmax`` has the rest)."""
+        """Greedy tokens: the argmax reads only each row's winning block (``call.bmax`` has the rest).
+
+        A row fails when its best logit is -inf (or NaN); a row rewritten for ``+inf`` has 0 there,
+        an all-greedy row keeps its ``+inf``, and both pass.
+        """
         plan = call.plan
         if not len(plan.greedy):
             return
         vals, ids = row_argmax(call.x, call.bmax, rows=None if plan.all_greedy else plan.greedy.index)
-        call.decide(plan.greedy, ids, torch.isfinite(vals))
+        call.decide(plan.greedy, ids, vals > _NEG_INF)
         if len(plan.processed):
             # Greedy rows' processed logits are fixed here: 7b must not change a greedy row's results.
             call.greedy_processed = call.x.index_select(0, plan.processed.index)
+            if plan.all_greedy:  # not rewritten above: the rules apply to this copy
+                assert call.nf is not None
+                resolve_non_finite_(call.greedy_processed, call.nf.index_select(plan.processed.index))
 
     def _temperature_and_invariant(self, call: _Call) -> None:
         x, plan = call.x, call.plan
@@ -389,40 +447,93 @@ class Sampler:
         call.x = x
 
     def _top_k_top_p_and_draw(self, call: _Call) -> None:
-        """7c-7d for every random row. Both row groups queue their routing flags before either
-        reads one, so the first read brings them all (and step 1's) in one transfer."""
+        """7c-7d for every random row, without a host read: the rows a tie or the probe leaves
+        unsettled are flagged for the exact pass."""
         plan = call.plan
-        u = uniforms(plan.random_rows, plan.generators, self.generator, call.x.device)
+        call.u = uniforms(plan.random_rows, plan.generators, self.generator, call.x.device, plan.seeded_index)
         nk = len(plan.topk)
         call.topk = _TopKRows(call) if nk else None
         call.full = _FullRows(call) if len(plan.full) else None
         if call.topk is not None:
-            call.topk.draw(call, u[:nk])
+            call.topk.draw(call, call.u[:nk])
         if call.full is not None:
-            call.full.draw(call, u[nk:])
+            call.full.draw(call, call.u[nk:])
+
+    # -- the host read, and the exact pass -------------------------------------------------------
+
+    @staticmethod
+    def _final_tokens(call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B] tokens with -1 on failed rows, [B] bool failed)."""
+        assert call.nf is not None
+        ok = call.ok & ~call.nf.nan
+        return torch.where(ok, call.tokens, -1), ~ok
+
+    def _read(self, call: _Call, *, first: bool) -> _Read:
+        """Step 8 on the device, then ONE transfer of the tokens, the failure flags, the
+        logprobs and (``first``) the flags that decide the exact pass."""
+        assert call.nf is not None
+        tokens, errors = self._final_tokens(call)
+        lp = self._logprobs(call, tokens, exact=not first)
+        tensors = [tokens, errors]
+        if lp is not None:
+            tensors += [lp.token_ids, lp.logprobs, lp.ranks]
+        flags: dict[str, torch.Tensor] = {}
+        if first:
+            flags["nan"] = call.nf.nan
+            if call.topk is not None:
+                assert call.topk.redo is not None
+                flags["topk_tied"], flags["topk_redo"] = call.topk.exact.tied, call.topk.redo
+            if call.full is not None and call.full.missed is not None:
+                assert call.full.hit is not None
+                flags["hits"], flags["valid"], flags["missed"] = call.full.hit, call.full.valid, call.full.missed
+            if call.raw is not None and call.raw.topk is not None:
+                flags["raw_tied"] = call.raw.topk.tied
+        host = to_host(*tensors, *flags.values(), label="sampler" if first else "sampler exact pass")
+        n = len(tensors)
+        lp_host = LogprobsTensors(*host[2:5]) if lp is not None else None
+        lists = dict(zip(flags, as_lists(*host[n:])))
+        return _Read(host[0], host[1], lp_host, **lists)
+
+    def _exact_pass(self, call: _Call, read: _Read) -> None:
+        """The rare rows, exactly, after the first read: top-k rows whose draw met a tie, top-p rows
+        the probe missed (histogram), and (step 8, in the next read) logprob top-K ties and the
+        processed modes. Draws reuse the step's uniforms, so every stream is the one-pass one."""
+        assert call.u is not None or call.plan.all_greedy
+        nk = len(call.plan.topk)
+        if call.topk is not None and any(read.topk_tied):
+            assert call.u is not None
+            call.topk.draw(call, call.u[:nk], [i for i, t in enumerate(read.topk_tied) if t])
+        if call.full is not None and call.full.hit is not None:
+            assert call.u is not None
+            call.full.redraw(call, call.u[nk:], read.hits, read.valid)
+        call.raw_exact = [i for i, t in enumerate(read.raw_tied) if t]
 
     # -- step 8 ----------------------------------------------------------------------------
 
-    def _logprobs(self, call: _Call) -> LogprobsTensors | None:
+    def _logprobs(self, call: _Call, tokens: torch.Tensor, *, exact: bool) -> LogprobsTensors | None:
+        """Step 8 on the device. Not ``exact`` (the first read): raw top-K ties are flagged, not
+        resolved, and processed-mode rows are left for the exact pass."""
         plan = call.plan
         if plan.num_logprobs is None:
             return None
         b, k, dev = plan.batch_size, plan.num_logprobs, call.x.device
         ids_out = torch.full((b, k + 1), -1, dtype=torch.int64, device=dev)
-        ids_out[:, 0] = call.tokens
+        ids_out[:, 0] = tokens
         lp_out = torch.full((b, k + 1), float("nan"), dtype=torch.float32, device=dev)
         ranks = torch.full((b,), -1, dtype=torch.int64, device=dev)
-        sources = [call.raw] if call.raw is not None else []
-        if len(plan.processed):
+        sources: list[tuple[_LogprobRows, Sequence[int]]] = []
+        if call.raw is not None:
+            sources.append((call.raw, call.raw_exact if exact else ()))
+        if exact and len(plan.processed):
             src = to_logprobs_(self._processed_logits(call), plan.processed_modes)
-            sources.append(_LogprobRows.start(plan.processed, src, plan.num_logprobs, call.host))
-        for s in sources:
+            sources.append((_LogprobRows.start(plan.processed, src, plan.num_logprobs), range(len(plan.processed))))
+        for s, exact_rows in sources:
             rows = s.rows.index
-            lp, rank = sampled_logprob_and_rank(s.src, call.tokens.index_select(0, rows), call.scratch.rank)
+            lp, rank = sampled_logprob_and_rank(s.src, tokens.index_select(0, rows), call.scratch.rank)
             lp_out[rows, 0] = lp
             ranks[rows] = rank
             if s.topk is not None:
-                vals, ids = sort_by_value_then_id(*s.topk.finish(s.src, call.host))
+                vals, ids = sort_by_value_then_id(*s.topk.finish(s.src, exact_rows))
                 lp_out[rows, 1 : 1 + s.topk.kmax] = vals
                 ids_out[rows, 1 : 1 + s.topk.kmax] = ids
         return LogprobsTensors(ids_out, lp_out, ranks)
@@ -431,7 +542,8 @@ class Sampler:
     def _processed_logits(call: _Call) -> torch.Tensor:
         """Logits after 7c of the rows asking a processed mode: -inf where top-k/top-p removed a token.
 
-        Opt-in and rare, so this walks those rows (device ops only, no host reads).
+        Opt-in and rare, so this walks those rows (device ops only, in the exact pass: the probe
+        hits and the histogram rows are known on the host by then).
         """
         x, plan = call.x, call.plan
         out = x.index_select(0, plan.processed.index)
@@ -457,19 +569,24 @@ class Sampler:
 
     # -- errors (only when a row failed) ---------------------------------------------------------
 
-    def _error_messages(self, call: _Call, pristine: torch.Tensor | None, metadata: SamplingMetadata) -> dict[int, str]:
+    def _error_messages(
+        self, call: _Call, pristine: torch.Tensor | None, metadata: SamplingMetadata, read: _Read
+    ) -> dict[int, str]:
         """Per failed row: NaN (before or after step 7b) or every token excluded.
 
-        Only NaN needs a message beyond the default (every token excluded): from steps 3-6 (known
-        already) or from an argmax-invariant processor (7b ran: look, one read).
+        Only NaN needs a message beyond the default (every token excluded): from steps 3-6 (the
+        flags, read already) or from an argmax-invariant processor (7b ran: look, one more read).
         """
-        plan, nan_rows = call.plan, call.nan_rows
-        if nan_rows is None and (plan.all_greedy or bool(call.ok.all())):
+        plan = call.plan
+        (errors,) = as_lists(read.errors)
+        bad = [r for r, e in enumerate(errors) if e]
+        if not bad:
             return {}
-        bad = (~call.ok).nonzero().flatten().tolist()
-        nan_now = torch.isnan(call.x[bad]).any(-1).tolist()
-        nan_before = nan_rows[bad].tolist() if nan_rows is not None else [False] * len(bad)
-        nan = [r for r, a, b in zip(bad, nan_now, nan_before) if a or b]
+        nan_now = [False] * len(bad)
+        if not plan.all_greedy:
+            idx = torch.tensor(bad, device=call.x.device)
+            (nan_now,) = host_lists(torch.isnan(call.x.index_select(0, idx)).any(-1), label="sampler errors")
+        nan = [r for r, now in zip(bad, nan_now) if now or read.nan[r]]
         sources = self._nan_sources(pristine, nan, metadata, plan) if nan and pristine is not None else {}
         out = {}
         for r in bad:
@@ -490,7 +607,8 @@ class Sampler:
         found: dict[int, str] = {}
 
         def note(stage: str) -> None:
-            for r, is_nan in zip(rows, torch.isnan(y.index_select(0, idx)).any(-1).tolist()):
+            (now,) = host_lists(torch.isnan(y.index_select(0, idx)).any(-1), label="sampler NaN replay")
+            for r, is_nan in zip(rows, now):
                 if is_nan:
                     found.setdefault(r, stage)
 
@@ -503,7 +621,7 @@ class Sampler:
                 y = _apply(p, y)
                 note(f"logits processor {type(p).__name__}")
             if not plan.all_greedy:
-                resolve_non_finite_(y)
+                resolve_non_finite_(y, non_finite_rows(y))
                 assert plan.divisor is not None  # a plan with random rows has one
                 y.div_(plan.divisor)
                 for p in self.processors.argmax_invariant:

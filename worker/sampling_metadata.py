@@ -12,6 +12,17 @@ import torch
 
 
 @dataclass(frozen=True)
+class HostColumns:
+    """The same per-row settings as host values (the batch's CPU columns), so that the sampler's
+    plan is built without reading the device tensors back (no sync per batch change)."""
+
+    greedy: tuple[bool, ...]
+    top_k: tuple[int, ...]
+    top_p: tuple[float, ...]  # the float32 column's values
+    num_logprobs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SamplingMetadata:
     # [B] float32. Greedy rows (temperature < 1e-5) hold their raw value; the sampler
     # divides them by 1, never by ~0.
@@ -34,6 +45,8 @@ class SamplingMetadata:
     logprobs_modes: tuple[str, ...] = ()
     # True when no row uses repetition/frequency/presence penalties (step 6 is skipped).
     no_penalties: bool = True
+    # The host values of greedy_mask / top_k / top_p / num_logprobs; None: the plan reads them back.
+    host: HostColumns | None = None
 
     @property
     def batch_size(self) -> int:

@@ -346,6 +346,7 @@ def decode_rate(plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, 
     """Greedy decode of ``batch`` rows at ``plan.context`` tokens of context."""
     from worker.model.memory import weight_bytes
     from worker.model.runner import kv_shape
+    from worker.ops.host_sync import total_host_reads
     from worker.sampling_params import SamplingParams
 
     device = loaded.device
@@ -361,11 +362,12 @@ def decode_rate(plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, 
     for _ in range(plan.warm_steps):
         engine.step()
     _sync(device)
-    t0 = time.perf_counter()
+    reads0, t0 = total_host_reads(), time.perf_counter()
     for _ in range(plan.timed_steps):
         engine.step()
     _sync(device)
     step_ms = (time.perf_counter() - t0) * 1e3 / plan.timed_steps
+    reads = (total_host_reads() - reads0) / plan.timed_steps
     prof = _profile_steps(device, engine.step, plan.profiled_steps)
     for rid in ids:
         engine.abort_request(rid)
@@ -382,10 +384,8 @@ def decode_rate(plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, 
     else:
         host = f"host {max(0.0, step_ms - prof.busy_ms):.1f} ms (GPU busy {prof.busy_ms:.1f})"
     kernels = "n/a" if prof.kernels is None else str(prof.kernels)
-    detail = (
-        f"step {step_ms:.1f} ms, {host}, {kernels} kernels/step, floor {floor_ms:.2f} ms: "
-        f"{floor_ms / step_ms:.2f} of the floor"
-    )
+    detail = f"step {step_ms:.1f} ms, {host}, {reads:g} host reads/step, {kernels} kernels/step"
+    detail += f", floor {floor_ms:.2f} ms: {floor_ms / step_ms:.2f} of the floor"
     return Row(f"decode batch {batch} ({plan.context} context)", f"{batch * 1e3 / step_ms:,.0f} tok/s", detail)
 
 

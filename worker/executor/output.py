@@ -23,7 +23,8 @@ class Failure:
 
 @dataclass(frozen=True)
 class SampledRows:
-    """The batch rows that were sampled (row order) and their tokens."""
+    """The batch rows that were sampled (row order) and their tokens, already on the host (the
+    sampler's one read of the step): the scheduler side turns them into lists without a sync."""
 
     rows: list[ScheduledChunk]
     output: SamplerOutput

@@ -25,11 +25,14 @@ def uniforms(
     generators: Mapping[int, torch.Generator],
     default: torch.Generator | None,
     device: torch.device,
+    seeded_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[len(rows)] float64 in [0, 1): seeded rows draw exactly one value from their own generator.
 
     Unseeded rows share ``default`` (the global RNG when None) in row order; a seeded row's
-    value depends only on its generator, never on the rest of the batch.
+    value depends only on its generator, never on the rest of the batch. ``seeded_index``: the
+    positions in ``rows`` of the seeded rows as a device tensor, when the caller keeps one (the
+    plan does: building it here would be a host-to-device copy every step).
     """
     gen_device = default.device if default is not None else device
     u = torch.rand(len(rows), dtype=torch.float64, generator=default, device=gen_device).to(device)
@@ -39,7 +42,8 @@ def uniforms(
             torch.rand(1, dtype=torch.float64, generator=generators[rows[i]], device=generators[rows[i]].device)
             for i in seeded
         ]
-        u.index_copy_(0, torch.tensor(seeded, device=device), torch.cat([t.to(device) for t in own]))
+        index = seeded_index if seeded_index is not None else torch.tensor(seeded, device=device)
+        u.index_copy_(0, index, torch.cat([t.to(device) for t in own]))
     return u
 
 

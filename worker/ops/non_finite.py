@@ -1,5 +1,5 @@
 """The non-finite rules (docs/sampling.md "Non-finite values") on a batch of processed logits,
-cheap when every row is finite.
+vectorised and without a host read.
 
 ``+inf`` is a legal way to force a token (vLLM's examples do it): the limit of softmax puts all
 the mass on the ``+inf`` tokens, uniformly. NaN is never a distribution: the row fails.
@@ -7,38 +7,43 @@ the mass on the ``+inf`` tokens, uniformly. NaN is never a distribution: the row
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from worker.ops.blocks import block_reduce, block_size
 
-_NEG_INF = float("-inf")
-_POS_INF = float("inf")
+@dataclass(frozen=True)
+class NonFinite:
+    """Per row of a batch: whether it held NaN, and the two per-row constants of the rewrite."""
+
+    nan: torch.Tensor  # [B] bool: the row held NaN (it fails)
+    shift: torch.Tensor  # [B, 1]: 0, +inf on rows holding +inf, NaN on rows holding NaN
+    cap: torch.Tensor  # [B, 1]: +inf, 0 on those rows
+
+    def index_select(self, rows: torch.Tensor) -> NonFinite:
+        return NonFinite(self.nan[rows], self.shift[rows], self.cap[rows])
 
 
-def resolve_non_finite_(x: torch.Tensor, bmax: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The non-finite rules (docs/sampling.md "Non-finite values"), in place on the rows that need
-    them; [B] bool NaN rows or None.
+def non_finite_rows(bmax: torch.Tensor) -> NonFinite:
+    """The rows' flags from ``bmax`` [B, nb]: their block maxima (or the rows themselves); NaN
+    propagates through max, so a row's maximum is NaN if it holds one, else +inf if it holds one."""
+    m = bmax.amax(-1, keepdim=True)
+    nan, posinf = torch.isnan(m), torch.isposinf(m)
+    shift = torch.where(nan, float("nan"), torch.where(posinf, float("inf"), 0.0)).to(bmax.dtype)
+    cap = torch.where(nan | posinf, 0.0, float("inf")).to(bmax.dtype)
+    return NonFinite(nan.squeeze(1), shift, cap)
 
-    A row holding ``+inf`` becomes 0 at its ``+inf`` tokens and -inf elsewhere (the limit of
-    softmax: greedy takes the lowest such id, a draw is uniform among them). A row holding NaN
-    becomes all zeros (a harmless stand-in: its token is discarded) and is flagged. Cost in the
-    common case: one max over ``bmax`` (the block maxima, when the caller has them; NaN
-    propagates through max) or over ``x``, and one host read. A None return leaves ``x`` (and
-    ``bmax``) untouched; otherwise ``bmax`` is brought up to date for the rewritten rows.
+
+def resolve_non_finite_(x: torch.Tensor, nf: NonFinite) -> None:
+    """The rules, in place on every row of ``x`` [B, n] (logits, or their block maxima).
+
+    A row holding ``+inf`` becomes 0 at its ``+inf`` tokens and -inf elsewhere (greedy takes the
+    lowest such id, a draw is uniform among them); a row holding NaN becomes all zeros (a
+    harmless stand-in: its token is discarded). Two branch-free passes, ``fmin(x - shift, cap)``:
+    on a row holding +inf, ``inf - inf`` is NaN and ``fmin`` turns NaN into the cap 0 while every
+    finite value went to -inf; on a NaN row everything is NaN, then 0; elsewhere ``x - 0`` and
+    ``fmin(x, inf)`` are exactly ``x``. The block maxima of the result are this applied to the
+    block maxima.
     """
-    top = float((bmax if bmax is not None else x).max())  # NaN if any NaN, else inf if any +inf
-    if top == top and top != _POS_INF:
-        return None
-    m = (bmax if bmax is not None else x).amax(-1)
-    special = torch.isnan(m) | torch.isposinf(m)
-    rows = special.nonzero().flatten()
-    sub = x.index_select(0, rows)
-    nan = torch.isnan(sub).any(-1)
-    forced = torch.where(torch.isposinf(sub), 0.0, _NEG_INF)
-    new = torch.where(nan[:, None], 0.0, forced)
-    x.index_copy_(0, rows, new)
-    if bmax is not None:
-        bmax.index_copy_(0, rows, block_reduce(new, block_size(x.shape[1]), "amax"))
-    nan_rows = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    nan_rows[rows] = nan
-    return nan_rows
+    x.sub_(nf.shift)
+    torch.fmin(x, nf.cap, out=x)

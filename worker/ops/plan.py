@@ -1,9 +1,9 @@
 """The host-side view of a batch's sampling settings, built once per SamplingMetadata.
 
-The metadata is rebuilt only when the persistent batch changes, so reading its small per-row
-tensors to the host here costs one transfer per batch change, not per step. The plan groups
-rows by the work they need (greedy, top-k, full-vocabulary) and keeps the device index tensors
-the sampler uses every step.
+The metadata is rebuilt only when the persistent batch changes; the plan reads its host columns
+(``SamplingMetadata.host``, no device read at all; metadata without them is read back in one
+transfer). The plan groups rows by the work they need (greedy, top-k, full-vocabulary) and keeps
+the device index tensors the sampler uses every step, copied from pinned memory without a sync.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-from worker.sampling_metadata import SamplingMetadata
+from worker.ops.host_sync import host_lists
+from worker.ops.staging import stage
+from worker.sampling_metadata import HostColumns, SamplingMetadata
 
 RAW_MODES = ("raw_logprobs", "raw_logits")
 
@@ -51,8 +53,13 @@ class RowGroup:
         return len(self.rows)
 
 
+def _on(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host-built tensor on ``device``: pinned and non-blocking on CUDA (no sync)."""
+    return stage(list(values), dtype, torch.device(device), pin=torch.device(device).type == "cuda")
+
+
 def row_group(rows: Sequence[int], device: torch.device) -> RowGroup:
-    return RowGroup(tuple(rows), torch.tensor(list(rows), dtype=torch.int64, device=device), runs_of(rows))
+    return RowGroup(tuple(rows), _on(rows, torch.int64, device), runs_of(rows))
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class SamplingPlan:
     top_p: torch.Tensor  # [n_top_p] float64
     divisor: torch.Tensor | None  # [B, 1] float32 temperature, 1.0 on greedy rows; None if all greedy
     generators: Mapping[int, torch.Generator]
+    seeded_index: torch.Tensor  # positions in ``random_rows`` of the rows with their own generator
     # Logprobs: K (None: nobody asks), rows asking a raw / a processed mode (with their modes).
     num_logprobs: int | None
     raw: RowGroup
@@ -89,11 +97,23 @@ class SamplingPlan:
         return self.topk.rows + self.full.rows
 
 
+def _host_columns(md: SamplingMetadata) -> HostColumns:
+    if md.host is not None:
+        return md.host
+    b = md.batch_size
+    tensors = [md.greedy_mask] + [t for t in (md.top_k, md.top_p, md.num_logprobs) if t is not None]
+    lists = iter(host_lists(*tensors, label="sampling plan"))
+    greedy = next(lists)
+    top_k = next(lists) if md.top_k is not None else [0] * b
+    top_p = next(lists) if md.top_p is not None else [1.0] * b
+    nl = next(lists) if md.num_logprobs is not None else [-1] * b
+    return HostColumns(tuple(greedy), tuple(top_k), tuple(top_p), tuple(nl))
+
+
 def build_plan(md: SamplingMetadata, vocab_size: int, device: torch.device) -> SamplingPlan:
     b = md.batch_size
-    greedy = md.greedy_mask.tolist()
-    top_k = md.top_k.tolist() if md.top_k is not None else [0] * b
-    top_p = md.top_p.tolist() if md.top_p is not None else [1.0] * b
+    host = _host_columns(md)
+    greedy, top_k, top_p = host.greedy, host.top_k, host.top_p
     rnd = [i for i in range(b) if not greedy[i]]
     topk_rows = [i for i in rnd if 0 < top_k[i] < vocab_size]
     others = [i for i in rnd if not 0 < top_k[i] < vocab_size]
@@ -103,25 +123,27 @@ def build_plan(md: SamplingMetadata, vocab_size: int, device: torch.device) -> S
     if rnd:
         divisor = torch.where(md.greedy_mask, 1.0, md.temperature).to(torch.float32)[:, None].to(device)
 
-    nl = md.num_logprobs.tolist() if md.num_logprobs is not None and md.max_num_logprobs is not None else [-1] * b
+    nl = host.num_logprobs if md.max_num_logprobs is not None else (-1,) * b
     modes = md.logprobs_modes if len(md.logprobs_modes) == b else ("raw_logprobs",) * b
     asking = [i for i in range(b) if nl[i] >= 0]
     raw = [i for i in asking if modes[i] in RAW_MODES]
     processed = [i for i in asking if modes[i] not in RAW_MODES]
+    random_rows = topk_rows + full_rows
     return SamplingPlan(
         batch_size=b,
         vocab_size=vocab_size,
         greedy=row_group([i for i in range(b) if greedy[i]], device),
         random=row_group(rnd, device),
         topk=row_group(topk_rows, device),
-        topk_k=torch.tensor([top_k[i] for i in topk_rows], dtype=torch.int64, device=device),
+        topk_k=_on([top_k[i] for i in topk_rows], torch.int64, device),
         topk_kmax=max((top_k[i] for i in topk_rows), default=0),
-        topk_p=torch.tensor([top_p[i] for i in topk_rows], dtype=torch.float64, device=device),
+        topk_p=_on([top_p[i] for i in topk_rows], torch.float64, device),
         full=row_group(full_rows, device),
         n_top_p=n_top_p,
-        top_p=torch.tensor([top_p[i] for i in full_rows[:n_top_p]], dtype=torch.float64, device=device),
+        top_p=_on([top_p[i] for i in full_rows[:n_top_p]], torch.float64, device),
         divisor=divisor,
         generators=md.generators,
+        seeded_index=_on([j for j, r in enumerate(random_rows) if r in md.generators], torch.int64, device),
         num_logprobs=md.max_num_logprobs if asking else None,
         raw=row_group(raw, device),
         raw_modes=tuple(modes[i] for i in raw),

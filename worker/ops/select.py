@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from worker.ops.blocks import block_columns, block_reduce, block_size, gather_blocks, num_blocks
+from worker.ops.host_sync import host_lists
 from worker.ops.plan import RowGroup
 
 
@@ -123,10 +124,11 @@ def resolve_topk(
 
 
 def exact_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-shot exact top-k of every row (one host read): sorted by value desc, ties by id asc."""
+    """One-shot exact top-k of every row (one host read, for the tie flags): sorted by value desc, ties by id asc."""
     n, v = x.shape
     k = min(k, v)
     vals, ids = topk_candidates(x, k)
     kk = torch.full((n,), k, dtype=torch.int64, device=x.device)
-    amb = ambiguous(vals, kk).nonzero().flatten().tolist()
+    (tied,) = host_lists(ambiguous(vals, kk), label="exact_topk ties")
+    amb = [i for i, t in enumerate(tied) if t]
     return sort_by_value_then_id(*resolve_topk(x, vals, ids, kk, k, amb))

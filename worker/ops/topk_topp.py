@@ -22,6 +22,7 @@ import torch
 
 from worker.ops.draw import row_total
 from worker.ops.flat import put2d_, take2d
+from worker.ops.host_sync import host_lists
 from worker.ops.scratch import Buffer
 from worker.ops.select import sort_by_value_then_id, topk_candidates
 
@@ -114,7 +115,8 @@ def top_p_histogram_(probs: torch.Tensor, p: torch.Tensor, scratch: TopPScratch)
     # depends on the other rows' candidates.
     counts = torch.bincount(row, minlength=h)
     # One host read: the padded matrix's width, and each row's bucket (for the cut below it).
-    width, *buckets = torch.cat([counts.max()[None], bucket.flatten()]).tolist()
+    (flat,) = host_lists(torch.cat([counts.max()[None], bucket.flatten()]), label="top-p histogram")
+    width, *buckets = flat
     pos = torch.arange(row.numel(), device=row.device) - (torch.cumsum(counts, 0) - counts)[row]
     padded = torch.zeros(h, width + 1, dtype=torch.float64, device=dev)
     put2d_(padded, row, pos + 1, val.to(torch.float64))
