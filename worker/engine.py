@@ -163,6 +163,8 @@ class LLMEngine:
             block_size=config.block_size,
             max_model_len=self.max_model_len,
             attention_backend=config.attention_backend,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
         )
 
     def _init_state(self) -> None:
