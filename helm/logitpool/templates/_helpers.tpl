@@ -138,6 +138,7 @@ applications:
         enable_prefix_caching: {{ $v.engine.enablePrefixCaching | toJson }}
         scheduling_policy: {{ $v.engine.schedulingPolicy | toJson }}
         attention_backend: {{ $v.engine.attentionBackend | toJson }}
+        cuda_graphs: {{ $v.engine.cudaGraphs | toJson }}
         stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}
         tensor_parallel_size: {{ $v.engine.tensorParallelSize | toJson }}
         collective_timeout_s: {{ $v.engine.collectiveTimeoutS | toJson }}
