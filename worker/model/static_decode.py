@@ -21,6 +21,7 @@ so a caller may keep them past the next step.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -151,7 +152,11 @@ class StaticDecode:
         self._workspace = {"k": workspace["k"], "v": workspace["v"]}  # this path's own references
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._logits: torch.Tensor | None = None  # [rows, vocab]: every graph's output
-        self.num_steps = 0
+        self.bucket_steps: collections.Counter[tuple[int, int]] = collections.Counter()  # steps per (rows, width)
+
+    @property
+    def num_steps(self) -> int:
+        return self.bucket_steps.total()
 
     def fits(self, seqs: Sequence[ScheduledSeq]) -> bool:
         """A pure-decode step: every row one sampled token, no prompt logits, within the largest bucket."""
@@ -227,7 +232,7 @@ class StaticDecode:
     def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """One pure-decode step (``fits``): logits [len(seqs), vocab], in seqs order."""
         rows, width = self._fill(seqs)
-        self.num_steps += 1
+        self.bucket_steps[(rows, width)] += 1
         graph = self._graphs.get((rows, width))
         if graph is None:
             return self._forward(rows, width)[: len(seqs)]
