@@ -197,6 +197,26 @@ def test_the_null_block_is_never_given_to_a_request(tiny_model: LoadedModel) -> 
     assert stats["blocks_free"] == blocks - 1 and stats["blocks_used"] == 0  # all back after the run
 
 
+def test_tensor_parallel_ranks_take_the_padded_path_too(models: dict[str, LoadedModel], tmp_path) -> None:
+    """TP = 2 on CPU (gloo) with the padded path gives TP = 1's dynamic tokens: rank 1 pads the same
+    steps to the same buckets, or the logits gather inside the forward would not line up."""
+    from tests.worker.test_tensor_parallel import BLOCK_SIZE, BLOCKS, _tp2, _workload
+    from tests.worker.test_paged_engine import _engine as paged_engine
+
+    loaded = _build("llama", tmp_path, models["tiny"].tokenizer)
+    reqs = _workload(seeded=True)
+    one = paged_engine(loaded, blocks=BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=24)
+    want = _run(one, reqs, stagger=1)
+    two = _tp2(str(tmp_path), loaded, cuda_graphs=True)
+    try:
+        got = _run(two, reqs, stagger=1)
+        static = two.runner.static
+    finally:
+        two.close()
+    assert static is not None and static.num_steps > 0 and len(static.bucket_steps) > 1
+    assert _tokens(got) == _tokens(want)
+
+
 # ----------------------------------------------------------------------------- choices and refusals
 
 
