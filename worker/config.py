@@ -81,6 +81,12 @@ class EngineConfig:
     # one kernel, where the model family allows (worker.model.fusion): the same numbers (bitwise
     # on CPU), fewer kernel launches per step.
     fused_layers: bool = True
+    # Pure-decode steps (every row one token) through the padded static path
+    # (worker.model.static_decode): the batch padded to a fixed bucket, static input buffers, padding
+    # rows on a reserved null block; on CUDA each bucket is captured once into a CUDA graph at
+    # start-up and replayed. None = on for CUDA devices (one rank), off elsewhere; True on CPU runs
+    # the same padded path eagerly (what CI tests).
+    cuda_graphs: bool | None = None
     # Ranks the model is sharded over (worker.executor.tensor_parallel): rank 0 is the engine's
     # process and keeps the scheduler, batch, processors and sampler; the others are processes it
     # starts. Each collective (and each rank's start) fails after collective_timeout_s seconds.

@@ -166,6 +166,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             attention_backend=config.attention_backend,
             fused_layers=config.fused_layers,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
         )
 
     def _init_state(self) -> None:

@@ -203,6 +203,8 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection) -> None:
             max_model_len=rs.max_model_len,
             attention_backend=rs.config.attention_backend,
             fused_layers=rs.config.fused_layers,
+            cuda_graphs=rs.config.cuda_graphs,
+            max_num_seqs=rs.config.max_num_seqs,
         )
         buf = torch.zeros(rs.capacity, dtype=torch.int32, device=loaded.device)
         conn.send(("ready", RankReport(rank, weight_bytes(loaded.model), own)))
@@ -306,6 +308,8 @@ class TensorParallelGroup:
             max_model_len=max_model_len,
             attention_backend=config.attention_backend,
             fused_layers=config.fused_layers,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
         )
         self._buf = torch.zeros(capacity, dtype=torch.int32, device=self.loaded.device)
         reports = [RankReport(0, weight_bytes(self.loaded.model), own), *self._expect("ready")]

@@ -9,6 +9,12 @@ simply listed in several tables. Each step flattens all scheduled tokens — dec
 chunks alike — into one ``[1, T]`` sequence with explicit position ids and runs the model once;
 ``worker.model.attention`` does the rest. Where the step's decode rows (or prompt chunks) share leading
 blocks and it pays, the metadata marks the split for cascade attention (``worker.model.cascade``).
+
+With ``cuda_graphs`` on, a pure-decode step takes the padded static path instead
+(``worker.model.static_decode``: fixed buckets, static buffers, replayed CUDA graphs on a GPU,
+the same path eagerly on CPU); mixed and prefill steps stay on this dynamic path. That path
+reserves one block of the pool as its null block (padding rows write there): ``num_blocks`` is
+then the pool's blocks less that one, the blocks requests can be given.
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ from worker.model.cascade import cascade_pays, common_prefix_blocks, shared_chun
 from worker.model.fusion import fuse_layers
 from worker.model.gather import head_major
 from worker.model.loader import LoadedModel
+from worker.model.static_decode import StaticDecode, resolve_mode
+
+logger = logging.getLogger(__name__)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 64  # EngineConfig's: the largest batch bucket of the padded decode path
 
 
 @dataclass(frozen=True)
@@ -92,12 +102,26 @@ class ModelRunner:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         fused_layers: bool = True,
+        cuda_graphs: bool | None = False,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     ) -> None:
         """``attention_backend``: ``EngineConfig.attention_backend``; refused here, at start-up,
-        where the device cannot run it. ``fused_layers``: ``EngineConfig.fused_layers``."""
+        where the device cannot run it. ``fused_layers``: ``EngineConfig.fused_layers``.
+        ``cuda_graphs``: ``EngineConfig.cuda_graphs`` (None = auto;
+        the default False keeps helper runners, e.g. the profile run's, on the dynamic path), with
+        batch buckets up to ``max_num_seqs``; on CUDA the graphs are captured here, once the KV
+        pool exists. ``num_blocks``: the pool's blocks, the null block included."""
         self.attention_backend = resolve_backend(attention_backend, loaded.device)
+        mode = resolve_mode(cuda_graphs, loaded.device, sharded=loaded.shard is not None)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if mode != "off" and num_blocks < 2:
+            raise ValueError(
+                f"cuda_graphs: the padded decode path reserves a null block; a KV pool of {num_blocks} block "
+                "leaves none for requests"
+            )
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         max_len = loaded.max_model_len if max_model_len is None else max_model_len
@@ -109,7 +133,8 @@ class ModelRunner:
         self._k = tuple(torch.zeros(shape, dtype=loaded.dtype, device=loaded.device) for _ in range(layers))
         self._v = tuple(torch.zeros(shape, dtype=loaded.dtype, device=loaded.device) for _ in range(layers))
         self.kv_cache_bytes: int = sum(t.numel() * t.element_size() for t in self._k + self._v)
-        self.num_blocks = num_blocks
+        self.pool_blocks = num_blocks  # physical blocks per layer, the null block included
+        self.num_blocks = num_blocks - (mode != "off")  # the blocks requests can be given
         self.block_size = block_size
         self.max_model_len = max_len
         self.vocab_size = loaded.vocab_size
@@ -122,6 +147,24 @@ class ModelRunner:
         self._workspace: dict[str, torch.Tensor] = {}
         self.num_cascade_steps = 0  # steps whose decode rows attended a shared prefix once (cascade)
         self.num_cascade_chunk_steps = 0  # ... whose prompt chunks did
+        self.static: StaticDecode | None = None
+        if mode != "off":
+            self.static = StaticDecode(
+                self._model,
+                self._k,
+                self._v,
+                mode=mode,
+                max_num_seqs=max_num_seqs,
+                block_size=block_size,
+                max_model_len=max_len,
+                null_block=self.num_blocks,  # the last block: outside [0, num_blocks)
+                no_mask=self._no_mask,
+                workspace=self._workspace,
+            )
+            if mode == "graphs":
+                self.capture_report = self.static.capture()
+            else:
+                logger.info("%s", self.static.describe())
 
     @property
     def capacity_tokens(self) -> int:
@@ -200,7 +243,7 @@ class ModelRunner:
             [len(part) for part in lists]
         )
 
-        kvh, nb = self._k[0].shape[0], self.num_blocks
+        kvh, nb = self._k[0].shape[0], self.pool_blocks
         decode = None
         if dec_index:
             table = t_table.view(len(dec_index), width)
@@ -242,6 +285,8 @@ class ModelRunner:
         with torch.inference_mode():
             if not seqs:
                 return torch.empty((0, self.vocab_size), dtype=self._k[0].dtype, device=self._device)
+            if self.static is not None and self.static.fits(seqs):
+                return self.static.run(seqs)
             ids, pos, keep, meta = self._metadata(seqs)
             out = self._model(
                 input_ids=ids[None],

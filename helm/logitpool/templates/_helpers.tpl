@@ -139,6 +139,7 @@ applications:
         scheduling_policy: {{ $v.engine.schedulingPolicy | toJson }}
         attention_backend: {{ $v.engine.attentionBackend | toJson }}
         fused_layers: {{ $v.engine.fusedLayers | toJson }}
+        cuda_graphs: {{ $v.engine.cudaGraphs | toJson }}
         stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}
         tensor_parallel_size: {{ $v.engine.tensorParallelSize | toJson }}
         collective_timeout_s: {{ $v.engine.collectiveTimeoutS | toJson }}
