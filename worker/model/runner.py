@@ -43,8 +43,6 @@ from worker.model.static_decode import StaticDecode, resolve_mode
 
 logger = logging.getLogger(__name__)
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64  # EngineConfig's: the largest batch bucket of the padded decode path
 
