@@ -159,16 +159,7 @@ class LLMEngine:
             return runner
         size = kv_size(loaded, config, self.max_model_len, memory, start)
         self.kv_budget = size.budget
-        return ModelRunner(
-            loaded,
-            num_blocks=size.num_blocks,
-            block_size=config.block_size,
-            max_model_len=self.max_model_len,
-            attention_backend=config.attention_backend,
-            fused_layers=config.fused_layers,
-            cuda_graphs=config.cuda_graphs,
-            max_num_seqs=config.max_num_seqs,
-        )
+        return ModelRunner.for_config(loaded, config, num_blocks=size.num_blocks, max_model_len=self.max_model_len)
 
     def _init_state(self) -> None:
         self._parents: dict[str, _Parent] = {}

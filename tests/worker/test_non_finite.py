@@ -125,3 +125,30 @@ def test_forced_rows_leave_their_neighbours_alone() -> None:
     assert torch.equal(out.logprobs.logprobs[0, :3], alone.logprobs.logprobs[0, :3])
     assert out.sampled_token_ids[1].item() == 5 and out.errors.tolist() == [False, False, True]
     assert "the model" in out.error_messages[2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.sampled_from([0.5, -2.0, float("-inf"), float("inf"), float("nan")]), min_size=1, max_size=9),
+        min_size=1,
+        max_size=6,
+    ).filter(lambda r: len({len(x) for x in r}) == 1)
+)
+def test_the_cpu_shortcut_is_taken_exactly_when_the_rewrite_is_the_identity(rows: list[list[float]]) -> None:
+    """On the CPU, a batch with no NaN and no +inf skips the rewrite (``clean``); any other batch is
+    rewritten, and the clean verdict never changes a value."""
+    from worker.ops.non_finite import non_finite_rows, resolve_non_finite_
+
+    x = torch.tensor(rows)
+    nf = non_finite_rows(x)
+    expect_clean = not any(v != v or v == float("inf") for row in rows for v in row)
+    assert nf.clean == expect_clean
+    assert nf.nan.tolist() == [any(v != v for v in row) for row in rows]
+    y = x.clone()
+    resolve_non_finite_(y, nf)
+    if expect_clean:
+        assert torch.equal(y, x)
+    z = x.clone()  # the slow path's answer, forced: the same flags without the hint
+    resolve_non_finite_(z, type(nf)(nf.nan, nf.shift, nf.cap, False))
+    assert torch.equal(torch.nan_to_num(y, nan=7.0), torch.nan_to_num(z, nan=7.0))

@@ -195,17 +195,8 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection) -> None:
         conn.send(("loaded", None))
         rs: RunnerSpec = _recv(conn, spec.parent_pid)
         own = kv_size(loaded, rs.config, rs.max_model_len, memory, start, sample=False)
-        bs = rs.config.block_size
-        runner = ModelRunner(
-            loaded,
-            num_blocks=group_min(own.num_blocks, loaded.device),
-            block_size=bs,
-            max_model_len=rs.max_model_len,
-            attention_backend=rs.config.attention_backend,
-            fused_layers=rs.config.fused_layers,
-            cuda_graphs=rs.config.cuda_graphs,
-            max_num_seqs=rs.config.max_num_seqs,
-        )
+        num_blocks = group_min(own.num_blocks, loaded.device)
+        runner = ModelRunner.for_config(loaded, rs.config, num_blocks=num_blocks, max_model_len=rs.max_model_len)
         buf = torch.zeros(rs.capacity, dtype=torch.int32, device=loaded.device)
         conn.send(("ready", RankReport(rank, weight_bytes(loaded.model), own)))
         while _recv(conn, spec.parent_pid) == _STEP:
@@ -300,17 +291,10 @@ class TensorParallelGroup:
         self.kv = own  # rank 0's, the budget the engine reports
         bs = config.block_size
         num_blocks = group_min(own.num_blocks, self.loaded.device)
-        runner = TensorParallelRunner(
-            self.loaded,
-            self,
-            num_blocks=num_blocks,
-            block_size=bs,
-            max_model_len=max_model_len,
-            attention_backend=config.attention_backend,
-            fused_layers=config.fused_layers,
-            cuda_graphs=config.cuda_graphs,
-            max_num_seqs=config.max_num_seqs,
+        runner = TensorParallelRunner.for_config(
+            self.loaded, config, num_blocks=num_blocks, max_model_len=max_model_len
         )
+        runner.group = self
         self._buf = torch.zeros(capacity, dtype=torch.int32, device=self.loaded.device)
         reports = [RankReport(0, weight_bytes(self.loaded.model), own), *self._expect("ready")]
         one_sequence = -(-max_model_len // bs) * block_bytes(self.loaded, bs)
@@ -367,9 +351,7 @@ class TensorParallelGroup:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: the step goes to every rank first, then rank 0 runs its own shard."""
 
-    def __init__(self, loaded: LoadedModel, group: TensorParallelGroup, **kw: Any) -> None:
-        super().__init__(loaded, **kw)
-        self.group = group
+    group: TensorParallelGroup  # set by TensorParallelGroup.runner, which builds it
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         if not seqs:

@@ -23,9 +23,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Self
 
 import torch
 
+from worker.config import EngineConfig
 from worker.model.attention import (
     METADATA_KWARG,
     DecodeRows,
@@ -90,6 +92,21 @@ class ModelRunner:
     Side effect: switches ``loaded.model`` to the registered paged-KV attention; calls without
     the step metadata (``model.generate()``) still run transformers' SDPA.
     """
+
+    @classmethod
+    def for_config(cls, loaded: LoadedModel, config: EngineConfig, *, num_blocks: int, max_model_len: int) -> Self:
+        """The runner an engine (or a tensor-parallel rank) builds: every option from ``config``,
+        the one place they are mapped."""
+        return cls(
+            loaded,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            attention_backend=config.attention_backend,
+            fused_layers=config.fused_layers,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+        )
 
     def __init__(
         self,

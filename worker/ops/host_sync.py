@@ -70,6 +70,8 @@ def to_host(*tensors: torch.Tensor, label: str = "") -> tuple[torch.Tensor, ...]
     _note(HostRead(label, len(tensors), sum(sizes)))
     if not parts:
         return ()
+    if all(t.device.type == "cpu" for t in tensors):  # no transfer to batch: a copy of each is less work
+        return tuple(t.detach().clone() for t in tensors)
     host = _copy_to_host(torch.cat([parts[i].view(torch.uint8) for i in order]))  # cat: a fresh tensor
     out = list(tensors)
     offset = 0
@@ -97,6 +99,14 @@ def _copy_to_host(flat: torch.Tensor) -> torch.Tensor:
 def host_lists(*tensors: torch.Tensor, label: str = "") -> tuple[list, ...]:
     """``to_host`` and then Python lists (``tolist``) of each."""
     return tuple(t.tolist() for t in to_host(*tensors, label=label))
+
+
+def cpu_all(t: torch.Tensor) -> bool:
+    """Whether every element of a CPU tensor is true: free on the host (no device to wait for), so
+    not a sync and not counted; an accelerator tensor is refused (that would be a read: ``to_host``)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"cpu_all: a {t.device.type} tensor; on an accelerator this would be a sync")
+    return bool(t.all())
 
 
 def as_lists(*tensors: torch.Tensor) -> tuple[list, ...]:
