@@ -53,37 +53,50 @@ def count_kernels(step: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if computes(e) and not any(computes(c) for c in e.cpu_children))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.bench.fusion")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+def ab_table(runners: dict[str, ModelRunner], rows: list[int], context: int, reps: int) -> None:
+    """Print, per batch size, the median decode step of two runners (calls alternating, so load
+    falls on both alike), the second's speed-up over the first, and each one's kernels per step."""
+    (a, ra), (b, rb) = runners.items()
+    print(f"| rows | {a} ms | {b} ms | {b} speed-up | kernels {a} | kernels {b} |")
+    print("|---|---|---|---|---|---|")
+    for batch in rows:
+        seqs = _rows(batch, context)
+        times: dict[str, list[float]] = {a: [], b: []}
+        for runner in (ra, rb):
+            runner.execute(seqs)  # warm-up
+        for _ in range(reps):
+            for name, runner in ((a, ra), (b, rb)):
+                start = time.perf_counter()
+                runner.execute(seqs)
+                times[name].append(time.perf_counter() - start)
+        a_ms, b_ms = (1e3 * statistics.median(times[k]) for k in (a, b))
+        ops = [count_kernels(functools.partial(r.execute, seqs)) for r in (ra, rb)]
+        cells = [f"{a_ms:.1f}", f"{b_ms:.1f}", f"{a_ms / b_ms:.2f}x", *map(str, ops)]
+        print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+
+
+def bench_args(prog: str, rows: list[int], argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--rows", type=int, nargs="+", default=rows)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=15)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = peer_model_path()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args("python -m worker.bench.fusion", [1, 8, 32], argv)
     blocks = max(args.rows) * -(-(args.context + 1) // BLOCK)
     runners = {
-        fused: ModelRunner(load_model(path, device="cpu", dtype="float32"), num_blocks=blocks, fused_layers=fused)
-        for fused in (False, True)
+        name: ModelRunner(
+            load_model(peer_model_path(), device="cpu", dtype="float32"), num_blocks=blocks, fused_layers=fused
+        )
+        for name, fused in (("eager", False), ("fused", True))
     }
     print(f"80M model, fp32, {args.threads} threads, context {args.context}; median of {args.reps} steps")
-    print("| rows | eager ms | fused ms | fused speed-up | kernels eager | kernels fused |")
-    print("|---|---|---|---|---|---|")
-    for batch in args.rows:
-        seqs = _rows(batch, args.context)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for runner in runners.values():
-            runner.execute(seqs)  # warm-up
-        for _ in range(args.reps):
-            for fused, runner in runners.items():
-                start = time.perf_counter()
-                runner.execute(seqs)
-                times[fused].append(time.perf_counter() - start)
-        eager_ms, fused_ms = (1e3 * statistics.median(times[k]) for k in (False, True))
-        ops = [count_kernels(functools.partial(runners[k].execute, seqs)) for k in (False, True)]
-        cells = [f"{eager_ms:.1f}", f"{fused_ms:.1f}", f"{eager_ms / fused_ms:.2f}x", *map(str, ops)]
-        print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+    ab_table(runners, args.rows, args.context, args.reps)
     return 0
 
 
