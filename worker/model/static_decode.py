@@ -33,6 +33,7 @@ import torch
 from worker.model.attention import METADATA_KWARG, DecodeRows, StepMetadata
 from worker.model.block_table import BlockTable
 from worker.model.gather import head_major
+from worker.ops.staging import int64_tensor
 
 if TYPE_CHECKING:
     from worker.model.runner import ScheduledSeq
@@ -181,9 +182,8 @@ class StaticDecode:
             lens.append(p + 1)
             used.append(p // bs + 1)
         width = _bucket(self.widths, max(used, default=1))
-        flat = torch.tensor(
-            [*ids, *[0] * pad, *pos, *[0] * pad, *slots, *[self.null_block * bs] * pad, *lens, *[1] * pad],
-            dtype=torch.long,
+        flat = int64_tensor(
+            [*ids, *[0] * pad, *pos, *[0] * pad, *slots, *[self.null_block * bs] * pad, *lens, *[1] * pad]
         ).view(4, rows)
         if self._copied is not None:
             self._copied.synchronize()

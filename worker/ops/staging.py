@@ -6,11 +6,20 @@ built every step (the batch's sampling columns, the grammar bitmask).
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+
+
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A CPU int64 tensor of Python ints, through ``array`` (about 4x faster than ``torch.tensor``
+    on a list: a step's index lists run to tens of thousands of entries at large batches)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def stage(

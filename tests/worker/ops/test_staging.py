@@ -7,6 +7,8 @@ buffers, copies and the batch / structured-output processor using them are real.
 from __future__ import annotations
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from worker.batch import PersistentBatch
 from worker.logits_processor.structured import StructuredOutputsLogitsProcessor
@@ -97,3 +99,14 @@ def test_the_grammar_bitmask_goes_through_a_double_buffer() -> None:
     it applies are checked in tests/worker/test_structured.py)."""
     proc = StructuredOutputsLogitsProcessor(None, CPU, False)
     assert isinstance(proc._bitmask, DoubleBuffer) and proc._bitmask.dtype == torch.int32
+
+
+@given(st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=300))
+def test_int64_tensor_equals_torch_tensor(values: list[int]) -> None:
+    from worker.ops.staging import int64_tensor
+
+    got = int64_tensor(values)
+    assert got.dtype == torch.int64 and got.shape == (len(values),)
+    assert got.tolist() == values
+    values.append(7)  # the tensor does not alias the list
+    assert got.tolist() == values[:-1]
