@@ -5,7 +5,7 @@ This is also the ``config`` object every logits processor receives in ``__init__
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -32,6 +32,25 @@ DTYPE_NAMES: dict[str, str] = {
     "half": "float16",
 }
 DTYPES: tuple[str, ...] = ("auto", *DTYPE_NAMES)
+
+# The scalar field types EngineConfig checks values against (annotations are strings here): a
+# keyword like ``LLM(cuda_graphs="yes")`` is refused by name instead of read as truthy.
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "bool": (bool,),
+    "bool | None": (bool, type(None)),
+    "int": (int,),
+    "int | None": (int, type(None)),
+    "float": (int, float),
+}
+
+
+def _check_scalar_types(config: EngineConfig) -> None:
+    for f in fields(config):
+        if str(f.type) not in _SCALAR_TYPES:
+            continue
+        allowed, value = _SCALAR_TYPES[str(f.type)], getattr(config, f.name)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise ValueError(f"{f.name}: must be {f.type}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +129,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
             object.__setattr__(self, "model", str(self.model))
+        _check_scalar_types(self)
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")

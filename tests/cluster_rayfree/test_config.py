@@ -331,3 +331,27 @@ def test_the_engine_config_itself_fits_every_running_row_in_a_step() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens: must be >= max_num_seqs"):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
     assert EngineConfig(max_num_seqs=64, max_num_batched_tokens=64).max_num_batched_tokens == 64
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"cuda_graphs": "yes"},
+        {"fused_layers": 2},
+        {"enable_prefix_caching": "off"},
+        {"max_num_seqs": 2.5},
+        {"max_num_seqs": True},
+        {"kv_cache_bytes": "1GiB"},
+        {"collective_timeout_s": "60"},
+    ],
+)
+def test_engine_keywords_of_the_wrong_type_are_refused_by_name(kw: dict[str, Any]) -> None:
+    """``LLM(cuda_graphs="yes")`` must not read a string as truthy: the field is named."""
+    (name,) = kw
+    with pytest.raises(ValueError, match=f"^{name}: must be "):
+        EngineConfig(**kw)
+
+
+def test_engine_keywords_of_the_right_type_pass() -> None:
+    cfg = EngineConfig(cuda_graphs=None, fused_layers=False, collective_timeout_s=5, kv_cache_bytes=2**20)
+    assert cfg.collective_timeout_s == 5 and cfg.cuda_graphs is None
