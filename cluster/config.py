@@ -149,7 +149,10 @@ class WorkerDeploymentConfig(_Frozen):
     num_gpus: NonNegativeFloat = Field(default=0.0, json_schema_extra={"maximum": 1})
     """Per rank: 0 (CPU), a share of one GPU (replicas sharing it), or 1; see _one_gpu. A replica
     with engine.tensor_parallel_size N takes N of them, one placement-group bundle per rank."""
-    num_cpus: NonNegativeFloat = 1.0
+    num_cpus: NonNegativeFloat | None = None
+    """Ray CPUs per rank; torch's threads in the engine follow them. None: 1 on a cluster (a small
+    node must still place a worker beside the ingress), but under `logitpool serve` on the local
+    cluster it starts itself, a CPU worker's share of the machine's cores (`local_worker_cpus`)."""
     max_ongoing_requests: PositiveInt | None = None
     """None = WORKER_CALLS_PER_ROW x the engine's max_num_seqs; Serve's default (5) would cap the batch."""
     max_queued_requests: QueueLimit = 256
@@ -302,6 +305,23 @@ class LogitpoolConfig(_Frozen):
         if model.startswith(("/", ".", "~")) or Path(model).expanduser().exists():
             return Path(model).expanduser().resolve().name or model
         return model
+
+    @property
+    def worker_cpus(self) -> float:
+        """Ray CPUs per worker rank: `workers.num_cpus`, 1 where it is left to the default."""
+        return 1.0 if self.workers.num_cpus is None else self.workers.num_cpus
+
+    def local_worker_cpus(self, cores: int) -> float:
+        """`workers.num_cpus` on a one-machine cluster `logitpool serve` starts: as set, else a CPU
+        worker rank's share of the ``cores`` (every rank of every replica one share; a GPU worker
+        keeps 1). Otherwise a CPU engine would run one torch thread on a machine of many cores."""
+        w = self.workers
+        if w.num_cpus is not None:
+            return w.num_cpus
+        if w.num_gpus > 0:
+            return 1.0
+        replicas = w.autoscaling.max_replicas if w.autoscaling is not None else w.num_replicas or 1
+        return float(max(1, cores // (replicas * self.engine.tensor_parallel_size)))
 
     @property
     def worker_max_ongoing_requests(self) -> int:

@@ -80,6 +80,10 @@ def start_serve(cfg: Any, address: str | None = None, *, report: Any = _report) 
 
     if not ray.is_initialized():
         if address is None:
+            cpus = cfg.local_worker_cpus(os.cpu_count() or 1)
+            if cpus != cfg.worker_cpus:
+                cfg = cfg.with_overrides(**{"workers.num_cpus": cpus})
+                report(f"a CPU worker on this machine: {cpus:g} CPUs per replica (torch threads; workers.num_cpus)")
             # A local cluster: logical CPUs are scheduling slots, not cores; leave room for the
             # ingress and a few worker replicas even on a 2-core laptop. Nothing listens beyond
             # the node address (see local_cluster_env); the dashboard is off.

@@ -53,7 +53,7 @@ def rank_placement(cfg: LogitpoolConfig) -> dict[str, Any]:
     groups. The other ranks are processes of the replica (rank 0, in the first bundle), and Ray
     shows an actor only its own bundle's GPUs, so the first bundle holds every rank's GPU (rank r
     runs on the replica's cuda:r) and each other bundle a rank's CPUs."""
-    ranks, cpus, gpus = cfg.engine.tensor_parallel_size, cfg.workers.num_cpus, cfg.workers.num_gpus
+    ranks, cpus, gpus = cfg.engine.tensor_parallel_size, cfg.worker_cpus, cfg.workers.num_gpus
     if ranks == 1:
         return {}
     first: dict[str, float] = {"CPU": cpus, "GPU": ranks * gpus} if gpus else {"CPU": cpus}
@@ -85,7 +85,7 @@ def deployment_options(cfg: LogitpoolConfig, router_class: str = ROUTER_CLASS) -
         "max_queued_requests": workers.max_queued_requests,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
-        "ray_actor_options": {"num_cpus": workers.num_cpus, "num_gpus": workers.num_gpus},
+        "ray_actor_options": {"num_cpus": cfg.worker_cpus, "num_gpus": workers.num_gpus},
     }
     if routing_policy(cfg) == "cache_aware":  # else Serve's default router: power of two
         worker["request_router_config"] = {

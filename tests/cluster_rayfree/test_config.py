@@ -259,14 +259,14 @@ def test_serve_config_is_valid_and_carries_the_config(cfg: LogitpoolConfig) -> N
     assert worker.max_ongoing_requests == cfg.worker_max_ongoing_requests >= cfg.engine.max_num_seqs
     ranks = cfg.engine.tensor_parallel_size
     assert worker.ray_actor_options.num_gpus == ranks * cfg.workers.num_gpus  # the replica sees every rank's GPU
-    assert worker.ray_actor_options.num_cpus == cfg.workers.num_cpus
+    assert worker.ray_actor_options.num_cpus == cfg.worker_cpus
     if ranks == 1:
         assert "placement_group_bundles" not in data["applications"][0]["deployments"][0]
     else:  # one bundle per rank, on one node; the replica (rank 0) in the first, with every rank's GPU
         bundles = worker.placement_group_bundles
         assert worker.placement_group_strategy == "STRICT_PACK"
         assert bundles is not None and len(bundles) == ranks
-        assert [b["CPU"] for b in bundles] == [cfg.workers.num_cpus] * ranks
+        assert [b["CPU"] for b in bundles] == [cfg.worker_cpus] * ranks
         assert [b.get("GPU", 0.0) for b in bundles] == [ranks * cfg.workers.num_gpus] + [0.0] * (ranks - 1)
     if cfg.workers.autoscaling is None:
         assert worker.num_replicas == (cfg.workers.num_replicas or 1)
@@ -355,3 +355,22 @@ def test_engine_keywords_of_the_wrong_type_are_refused_by_name(kw: dict[str, Any
 def test_engine_keywords_of_the_right_type_pass() -> None:
     cfg = EngineConfig(cuda_graphs=None, fused_layers=False, collective_timeout_s=5, kv_cache_bytes=2**20)
     assert cfg.collective_timeout_s == 5 and cfg.cuda_graphs is None
+
+
+@pytest.mark.parametrize(
+    ("workers", "ranks", "cores", "expect"),
+    [
+        ({}, 1, 2, 2.0),  # the embedded default on a 2-core box: both cores, not one thread
+        ({}, 1, 16, 16.0),
+        ({"num_replicas": 3}, 1, 16, 5.0),
+        ({"num_replicas": 4}, 1, 2, 1.0),  # never below one
+        ({}, 2, 8, 4.0),  # every tensor-parallel rank a share
+        ({"autoscaling": {"min_replicas": 1, "max_replicas": 4}}, 1, 8, 2.0),
+        ({"num_cpus": 1.5}, 1, 16, 1.5),  # as set
+        ({"num_gpus": 1}, 1, 16, 1.0),  # a GPU worker does not take the host's cores
+    ],
+)
+def test_local_worker_cpus(workers: dict[str, Any], ranks: int, cores: int, expect: float) -> None:
+    cfg = LogitpoolConfig.model_validate({"workers": workers, "engine": {"tensor_parallel_size": ranks}})
+    assert cfg.local_worker_cpus(cores) == expect
+    assert cfg.worker_cpus == workers.get("num_cpus", 1.0)  # a cluster: 1 unless set

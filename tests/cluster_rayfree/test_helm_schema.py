@@ -86,7 +86,8 @@ def test_every_engine_field_reaches_the_chart_except_device() -> None:
 
 # Chart values that deliberately differ from the config's default: a count where the config's
 # null means one replica, and the chart's worker pods own a GPU (the config's default runs on CPU).
-_CHART_OWN_DEFAULTS = {("workers", "replicas"): 1, ("workers", "gpus"): 1}
+# workers.cpus: the config leaves it None (1 on a cluster, more under a local `logitpool serve`); a chart is a cluster.
+_CHART_OWN_DEFAULTS = {("workers", "replicas"): 1, ("workers", "gpus"): 1, ("workers", "cpus"): 1}
 
 
 def test_values_yaml_states_the_config_s_own_defaults() -> None:

@@ -101,7 +101,7 @@ def test_gpu_cluster_shape(path: Path) -> None:
     body = next(m["body"] for c in cfg["setup_commands"] if (m := HEREDOC.search(c)))
     lp = LogitpoolConfig.model_validate(yaml.safe_load(body))
     ranks, gpus = lp.engine.tensor_parallel_size, gpu_type["resources"]["GPU"]
-    assert 0 < lp.workers.num_gpus * ranks <= gpus and lp.workers.num_cpus * ranks <= gpu_type["resources"]["CPU"]
+    assert 0 < lp.workers.num_gpus * ranks <= gpus and lp.worker_cpus * ranks <= gpu_type["resources"]["CPU"]
     per_node = int(gpus // (lp.workers.num_gpus * ranks))
     auto = lp.workers.autoscaling
     assert auto is not None and auto.max_replicas <= gpu_type["max_workers"] * per_node
