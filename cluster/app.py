@@ -11,8 +11,7 @@ from cluster.config import LogitpoolConfig
 from cluster.deploy.serve_config import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, deployment_options, routing_policy
 from cluster.ingress import IngressDeployment
 from cluster.routing.config import ROUTER_CLASS
-from cluster.worker_deployment import EngineFactory, WorkerDeployment
-from worker.async_engine import AsyncEngine
+from cluster.worker_deployment import EngineFactory, WorkerDeployment, served_engine
 from worker.logits_processor.registry import fqcn_of, resolve_processor_class
 
 
@@ -47,7 +46,7 @@ def build_app(
     cfg: LogitpoolConfig,
     *,
     processors: Sequence[type] = (),
-    engine_factory: EngineFactory = AsyncEngine,
+    engine_factory: EngineFactory = served_engine,
     router_class: str = ROUTER_CLASS,
 ) -> serve.Application:
     """The application; `engine_factory` builds each worker replica's engine from its EngineConfig

@@ -3,7 +3,8 @@
 One model, one persistent batch, one processor registry, one sampler per replica; the engine
 loop runs in the background and every request streams its per-step deltas back to the ingress.
 Processors arrive as FQCN strings inside the engine config, at start-up only. The engine is
-built by an `engine_factory` (`AsyncEngine` in production), so the deployment and the front end
+built by an `engine_factory` (`served_engine` in production: the engine loop in a process of its
+own, worker.engine_core, or in this one), so the deployment and the front end
 can be tested against a fake engine in Serve's local testing mode.
 
 Validation and tokenization happen once, in the front end (cluster.frontend): prompts arrive
@@ -33,6 +34,7 @@ from cluster.replica_bind import bind_replica_grpc_to_node_ip
 from cluster.routing.report import Reporter
 from worker.async_engine import AsyncEngine, EngineStats
 from worker.config import EngineConfig
+from worker.engine_core import EngineProcess
 from worker.kv import CachedBlocks
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
@@ -56,8 +58,14 @@ class ServedEngine(Protocol):
     """What a worker replica needs of its engine (AsyncEngine's surface, or a test's fake)."""
 
     dead: BaseException | None
-    engine: Any
-    """The synchronous core: `runner.kv_cache_bytes` and `processors.describe()` are read."""
+
+    @property
+    def kv_cache_bytes(self) -> int: ...
+
+    @property
+    def processor_fqcns(self) -> tuple[str, ...]: ...
+
+    def rank_pids(self) -> list[int]: ...
 
     def generate(
         self,
@@ -82,6 +90,25 @@ class ServedEngine(Protocol):
 EngineFactory = Callable[[EngineConfig], ServedEngine]
 
 
+def replica_cpus() -> int:
+    """The CPUs Ray gave this replica's actor, rounded, at least 1 (the core's torch threads:
+    the defaults use the CPUs a replica is given)."""
+    import ray
+
+    if not ray.is_initialized():  # Serve's local testing mode: this process's CPUs
+        return max(1, os.cpu_count() or 1)
+    resources = ray.get_runtime_context().get_assigned_resources()
+    return max(1, round(resources["CPU"])) if "CPU" in resources else 1
+
+
+def served_engine(config: EngineConfig) -> ServedEngine:
+    """The production engine factory: the engine loop in its own process (`engine_process`,
+    worker.engine_core) on the replica's CPUs, else in this one (AsyncEngine)."""
+    if config.engine_process:
+        return EngineProcess(config, num_threads=replica_cpus())
+    return AsyncEngine(config)
+
+
 def replica_engine_config(config: EngineConfig) -> tuple[EngineConfig, bool]:
     """The engine config a replica builds its engine from, and whether the CPU is allowed:
     `device: auto` is the engine's own choice (device None) with the CPU explicitly allowed."""
@@ -95,7 +122,7 @@ class LogitpoolWorker:
         self,
         engine: dict[str, Any],
         stream_interval_s: float = 0.0,
-        engine_factory: EngineFactory = AsyncEngine,
+        engine_factory: EngineFactory = served_engine,
         published_blocks: int = 0,
     ) -> None:
         """``published_blocks``: block digests per routing report (routing.max_published_blocks
@@ -149,17 +176,18 @@ class LogitpoolWorker:
         return {
             "replica_id": ctx.replica_id.unique_id,
             "pid": os.getpid(),
-            "rank_pids": self.engine.engine.runner.rank_pids(),  # a tensor-parallel replica's other ranks
+            "rank_pids": self.engine.rank_pids(),  # a tensor-parallel replica's other ranks
+            "engine_pid": self.engine.pid if isinstance(self.engine, EngineProcess) else os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "num_requests": self._num_requests,
             "num_running": self.engine.num_running,
-            "kv_cache_bytes": self.engine.engine.runner.kv_cache_bytes,
-            "processors": [p.fqcn for p in self.engine.engine.processors.describe()],
+            "kv_cache_bytes": self.engine.kv_cache_bytes,
+            "processors": list(self.engine.processor_fqcns),
         }
 
     def stats(self) -> pool_stats.PoolSnapshot:
         """This replica's engine stats (a PoolSnapshot of AsyncEngine.stats())."""
-        return pool_stats.PoolSnapshot.of(self.engine.stats(), kv_cache_bytes=self.engine.engine.runner.kv_cache_bytes)
+        return pool_stats.PoolSnapshot.of(self.engine.stats(), kv_cache_bytes=self.engine.kv_cache_bytes)
 
     async def _publish(self, what: str) -> None:
         """One snapshot to the KV store (bounded by its timeout); a failure is logged, never raised."""
@@ -204,12 +232,16 @@ class LogitpoolWorker:
         os._exit(1)
 
     def debug_kill_engine(self) -> float:
-        """Test-only: make the engine loop die as a real step failure would; returns the time.
+        """Test-only: make the engine loop die as a real failure would (under engine_process the
+        core process is SIGKILLed, and this returns once the replica knows); returns the time.
 
         Refused unless LOGITPOOL_DEBUG_HOOKS=1 is set for the replica (never in production).
         """
         if os.environ.get(DEBUG_ENV) != "1":
             raise PermissionError("debug hooks are disabled")
+        if isinstance(self.engine, EngineProcess):  # a real failure: the core process is SIGKILLed
+            self.engine.kill()
+            return time.time()
         exc = RuntimeError("killed by debug_kill_engine")
         engine: Any = self.engine  # AsyncEngine's internals
         engine.dead = exc

@@ -96,6 +96,20 @@ class AsyncEngine:
     def num_running(self) -> int:
         return self.engine.num_running
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's size (this rank's, in a tensor-parallel group)."""
+        return self.engine.runner.kv_cache_bytes
+
+    @property
+    def processor_fqcns(self) -> tuple[str, ...]:
+        """The loaded logits processors, by FQCN, in the order they run."""
+        return tuple(p.fqcn for p in self.engine.processors.describe())
+
+    def rank_pids(self) -> list[int]:
+        """A tensor-parallel group's other ranks' processes (none in one process)."""
+        return self.engine.runner.rank_pids()
+
     def healthy(self, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
         """True while the loop is alive and came round recently (a heartbeat, not "the object exists")."""
         if self.dead is not None or not self.engine.runner.healthy():  # a tensor-parallel group: every rank up

@@ -114,6 +114,10 @@ class EngineConfig:
     # AsyncEngine: outputs (one per step) a stream may hold undelivered before its request is
     # paused (out of the batch, KV kept); it resumes once its consumer has taken half of them.
     stream_buffer_outputs: int = 64
+    # Run the served engine loop in its own process (worker.engine_core): its steps then share
+    # no GIL with the replica's event loop, Ray's per-message work and the stream merging. Only
+    # the served path (cluster.worker_deployment) reads it; LLM() and AsyncEngine stay in-process.
+    engine_process: bool = True
 
     def as_kwargs(self) -> dict[str, object]:
         """Plain fields for another process (processors by name only: no code travels)."""

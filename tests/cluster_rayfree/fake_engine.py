@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import ClassVar
 
 from worker.async_engine import EngineDeadError, EngineStats
@@ -34,8 +33,18 @@ class FakeEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.dead: BaseException | None = None
-        self.engine = SimpleNamespace(runner=SimpleNamespace(kv_cache_bytes=0), processors=None)
         self._running = 0
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0
+
+    @property
+    def processor_fqcns(self) -> tuple[str, ...]:
+        return ()
+
+    def rank_pids(self) -> list[int]:
+        return []
 
     @property
     def num_running(self) -> int:

@@ -170,6 +170,7 @@ def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
         "fused_layers": False,
         "cuda_graphs": True,
         "stream_buffer_outputs": 8,
+        "engine_process": False,
         "tensor_parallel_size": 2,
         "collective_timeout_s": 30.0,
     }

@@ -141,6 +141,7 @@ applications:
         fused_layers: {{ $v.engine.fusedLayers | toJson }}
         cuda_graphs: {{ $v.engine.cudaGraphs | toJson }}
         stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}
+        engine_process: {{ $v.engine.engineProcess | toJson }}
         tensor_parallel_size: {{ $v.engine.tensorParallelSize | toJson }}
         collective_timeout_s: {{ $v.engine.collectiveTimeoutS | toJson }}
       workers:

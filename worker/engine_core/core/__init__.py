@@ -1,0 +1,1 @@
+"""The core side: the child process that builds the engine and runs AsyncEngine's loop (no Ray)."""
