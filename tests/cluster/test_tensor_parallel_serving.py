@@ -76,7 +76,7 @@ def test_killed_rank_fails_the_request_with_503_and_the_replica_is_replaced(serv
     handle = serve.get_deployment_handle("LogitpoolWorker", app_name=APP)
     info = handle.info.remote().result(timeout_s=30)
     (rank1,) = info["rank_pids"]
-    assert rank1 in _children(info["pid"])
+    assert rank1 in _children(info["engine_pid"])  # the engine's process starts the ranks
     body = {"model": serving.served_name, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(post, base, body, timeout=120)

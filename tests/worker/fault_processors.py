@@ -73,3 +73,18 @@ class FlakyApplyProcessor(_PerRow):
             type(self).armed = False
             raise RuntimeError("FlakyApplyProcessor: raised once")
         return logits
+
+
+class ExitAtStartProcessor(_PerRow):
+    """Kills its process when the engine builds it (a core that dies during start-up, as a
+    segfault or the OOM killer would: no traceback to send)."""
+
+    KEY = "exit_at_start"
+
+    def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        import os
+
+        os._exit(7)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits

@@ -9,6 +9,7 @@ killed core fails every open stream, a dead parent takes its core with it. Bound
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -26,10 +27,12 @@ from tests.worker.test_engine import prompts_of
 from worker.async_engine import AsyncEngine, EngineDeadError
 from worker.config import EngineConfig
 from worker.engine_core import EngineProcess
+from worker.engine_core.client.spawn import EngineStartError
 from worker.model.runner import block_bytes
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
 
+FAULTS = "tests.worker.fault_processors"
 BUFFER = 4  # stream_buffer_outputs: small, so a stalled consumer pauses within a few steps
 BLOCKS = 256
 BLOCK_SIZE = 16
@@ -90,6 +93,17 @@ def test_ready_reports_the_core(core, tiny_model):
     assert core.rank_pids() == []
     assert "worker.logits_processor.builtin:MinPLogitsProcessor" in core.processor_fqcns
     assert core.healthy() and core.stats().alive
+
+
+def test_start_up_errors_are_raised_in_the_parent(tiny_model):
+    """A bad config is a ValueError naming the field (with the core's traceback); a core that
+    dies before Ready (no message) is an EngineStartError with its exit code; neither hangs."""
+    with pytest.raises(ValueError, match="kv_cache_bytes") as bad:
+        EngineProcess(dataclasses.replace(core_config(tiny_model), kv_cache_bytes=1), start_timeout_s=BOUND_S)
+    assert "engine core traceback" in str(bad.value)
+    died = dataclasses.replace(core_config(tiny_model), logits_processors=(f"{FAULTS}:ExitAtStartProcessor",))
+    with pytest.raises(EngineStartError, match="exit code 7"):
+        EngineProcess(died, start_timeout_s=BOUND_S)
 
 
 def test_same_greedy_and_seeded_tokens_as_in_process(core, tiny_model):
@@ -259,6 +273,7 @@ import os, sys
 import ray  # what a replica's main module holds: the core must not follow it
 from worker.config import EngineConfig
 from worker.engine_core import EngineProcess
+from worker.engine_core.client.spawn import EngineStartError
 
 if __name__ == "__main__":
     ep = EngineProcess(EngineConfig(**{kwargs!r}), num_threads=1)
