@@ -188,6 +188,17 @@ def test_invalid_request_is_a_value_error_and_the_core_still_serves(core, tiny_m
     asyncio.run(main())
 
 
+def test_a_structured_request_compiles_off_the_core_loop_and_conforms(core, tiny_model):
+    prompt = prompts_of(tiny_model, 1, seed=308)[0]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, structured_outputs={"choice": ["yes", "no"]})  # type: ignore[arg-type]  # a dict, as a request gives it
+
+    async def main() -> RequestOutput:
+        return await asyncio.wait_for(collect(core, "structured", prompt, params), BOUND_S)
+
+    out = asyncio.run(main())
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+
+
 def test_a_stalled_consumer_pauses_its_request_and_reading_resumes_it(core, tiny_model):
     prompts = prompts_of(tiny_model, 2, seed=305)
 

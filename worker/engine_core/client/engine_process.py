@@ -26,8 +26,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from worker.async_engine import CACHED_BLOCKS_TIMEOUT_S, STALL_TIMEOUT_S, EngineDeadError, EngineStats
 from worker.config import EngineConfig
@@ -54,6 +55,7 @@ from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+_A = TypeVar("_A")
 
 
 # How long shutdown waits for the core to exit by itself before it is killed.
@@ -239,12 +241,12 @@ class EngineProcess:
             self.dead = err
         self._call(self._fail_all, err)
 
-    def _call(self, fn: object, *args: object) -> None:
+    def _call(self, fn: Callable[[_A], None], arg: _A) -> None:
         loop = self._loop
         if loop is None:  # no request yet: nobody waits on an event
             return
         with contextlib.suppress(RuntimeError):  # that loop is closed: its waiters are gone
-            loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+            loop.call_soon_threadsafe(fn, arg)
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, StepOutputs):

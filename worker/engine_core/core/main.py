@@ -15,9 +15,14 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
+from worker.config import EngineConfig
+from worker.engine_core.core.engine import CoreEngine
 from worker.engine_core.protocol import HEARTBEAT_S, Command, Event, Heartbeat, Ready, StartFailed
 
 # How long a stopping core waits for its step thread and its engine to close before it exits anyway.
@@ -30,11 +35,6 @@ def core_main(conn: Connection, engine_kwargs: dict[str, Any], num_threads: int,
     """Spawned by EngineProcess: ``engine_kwargs`` is ``EngineConfig.as_kwargs()``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the parent, which stops the core
     try:
-        import torch
-
-        from worker.config import EngineConfig
-        from worker.engine_core.core.engine import CoreEngine
-
         torch.set_num_threads(max(1, num_threads))
         stop = threading.Event()  # set on the loop thread; read by the serve loop
         sender = _Sender(conn)
@@ -76,7 +76,7 @@ class _Sender:
             self.broken = True
 
 
-async def _serve(core: Any, conn: Connection, stop: threading.Event, sender: _Sender, parent_pid: int) -> None:
+async def _serve(core: CoreEngine, conn: Connection, stop: threading.Event, sender: _Sender, parent_pid: int) -> None:
     loop = asyncio.get_running_loop()
     core.start()
     reader = threading.Thread(
@@ -95,7 +95,7 @@ async def _serve(core: Any, conn: Connection, stop: threading.Event, sender: _Se
 def _read_commands(
     conn: Connection,
     loop: asyncio.AbstractEventLoop,
-    handle: Any,
+    handle: Callable[[Command], None],
     stop: threading.Event,
     parent_pid: int,
 ) -> None:
