@@ -423,19 +423,23 @@ def test_killed_replica_fails_fast_and_later_requests_succeed(serving):
             outcomes.append(("http", exc, time.monotonic()))
 
     threads = [threading.Thread(target=f) for f in (grpc_stream, http_call) * 3]
+    started = time.time()
     for t in threads:
         t.start()
-    # Kill as soon as most streams are running (each needs seconds to finish 1,900 tokens).
-    deadline = time.monotonic() + 10
-    infos: dict[str, dict] = {}
+    # Kill once every stream is on a replica (each needs seconds to finish 1,900 tokens). Each
+    # replica's load is read from what it publishes, not sampled through a handle: the router
+    # sends those calls to the less loaded replica, which may hold none of the streams.
+    deadline = time.monotonic() + 30
+    on: dict[str, int] = {}
     while time.monotonic() < deadline:
-        infos = worker_infos(4)
-        if sum(i["num_running"] for i in infos.values()) >= 4:
+        snaps = asyncio.run(pool_stats.collect(APP, stale_after_s=60))
+        on = {s.replica_id: s.num_running + s.num_waiting for s in snaps if s.time > started}
+        if sum(on.values()) >= len(threads):
             break
-    victim = max(infos.values(), key=lambda i: i["num_running"])
-    held = victim["num_running"]
-    assert held >= 1
-    name = next(a for a in ray.util.list_named_actors(all_namespaces=True) if victim["replica_id"] in a["name"])
+        time.sleep(0.1)
+    victim, held = max(on.items(), key=lambda kv: kv[1], default=("", 0))
+    assert held >= 1, on
+    name = next(a for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"])
     killed_at = time.monotonic()
     ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
     for t in threads:
