@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from worker.config import EngineConfig
@@ -50,6 +51,80 @@ class _Stream:
     paused: bool = False
 
 
+class OutputStreams:
+    """The open requests' output streams, on the event loop, with the consumer-side bound (module
+    docstring): one implementation for AsyncEngine and the engine process's client. ``pause`` /
+    ``resume`` take a request out of the batch and back (a call into the engine, or a command to
+    its process); ``abort`` ends a request whose consumer left before its last output."""
+
+    def __init__(
+        self,
+        limit: int,
+        pause: Callable[[str], None],
+        resume: Callable[[str], None],
+        abort: Callable[[str], None],
+    ) -> None:
+        self._limit = limit
+        self._pause, self._resume, self._abort = pause, resume, abort
+        self._open: dict[str, _Stream] = {}
+
+    def open(self, request_id: str) -> None:
+        if request_id in self._open:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        self._open[request_id] = _Stream()
+
+    def close(self, request_id: str) -> None:
+        """Forget a stream opened but never read (its request never reached the engine)."""
+        self._open.pop(request_id, None)
+
+    async def outputs(self, request_id: str, *, delta: bool) -> AsyncGenerator[RequestOutput, None]:
+        """The opened request's outputs up to its last, cumulative unless ``delta``; the stream
+        closes when this generator does (close it explicitly: ``contextlib.aclosing``)."""
+        stream = self._open[request_id]
+        acc = OutputAccumulator()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                self._taken(request_id, stream)
+                finished = item.finished
+                yield item if delta else acc.add(item)
+        finally:
+            self._open.pop(request_id, None)
+            if not finished:
+                self._abort(request_id)
+
+    def _taken(self, request_id: str, stream: _Stream) -> None:
+        """One output taken by the consumer: a paused request resumes once half the bound is."""
+        stream.undelivered -= 1
+        if stream.paused and stream.undelivered <= self._limit // 2:
+            stream.paused = False
+            self._resume(request_id)
+
+    def put(self, out: RequestOutput) -> None:
+        """One output to its stream (none: its consumer left); pause a request too far behind."""
+        stream = self._open.get(out.request_id)
+        if stream is None:
+            return
+        stream.queue.put_nowait(out)
+        stream.undelivered += 1
+        if stream.undelivered >= self._limit and not stream.paused and not out.finished:
+            stream.paused = True
+            self._pause(out.request_id)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """Raise ``exc`` in the request's consumer (after what it has not taken yet)."""
+        stream = self._open.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for stream in self._open.values():
+            stream.queue.put_nowait(exc)
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served by this engine."""
 
@@ -75,7 +150,9 @@ class EngineStats:
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
         self.engine = LLMEngine(config, loaded=loaded)
-        self._streams: dict[str, _Stream] = {}
+        self._streams = OutputStreams(
+            config.stream_buffer_outputs, self.engine.pause_request, self._resume, self._abort_request
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._work = threading.Event()
@@ -182,39 +259,29 @@ class AsyncEngine:
         """
         if self.dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self.dead!r}")
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already running")
-        if params.structured_outputs is None:
-            parent = self.engine.prepare(request_id, prompt, params, scheduling)
-        else:  # compiling a grammar (time-bounded, cached) must not hold up the event loop
-            parent = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params, scheduling)
-        stream = self._streams[request_id] = _Stream()
+        self._streams.open(request_id)  # ValueError when the id is already running
+        try:
+            if params.structured_outputs is None:
+                parent = self.engine.prepare(request_id, prompt, params, scheduling)
+            else:  # compiling a grammar (time-bounded, cached) must not hold up the event loop
+                parent = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params, scheduling)
+        except BaseException:
+            self._streams.close(request_id)
+            raise
         self._ensure_thread()
         self.engine.add_prepared(parent)
         self._work.set()
-        acc = OutputAccumulator()
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self._delivered(request_id, stream)
-                finished = item.finished
-                yield item if delta else acc.add(item)
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.engine.abort_request(request_id)
-                self._work.set()
+        async with contextlib.aclosing(self._streams.outputs(request_id, delta=delta)) as outputs:
+            async for out in outputs:
+                yield out
 
-    def _delivered(self, request_id: str, stream: _Stream) -> None:
-        """One output taken by the consumer: a paused request resumes once half the bound is."""
-        stream.undelivered -= 1
-        if stream.paused and stream.undelivered <= self.config.stream_buffer_outputs // 2:
-            stream.paused = False
-            self.engine.resume_request(request_id)
-            self._work.set()
+    def _resume(self, request_id: str) -> None:
+        self.engine.resume_request(request_id)
+        self._work.set()
+
+    def _abort_request(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._work.set()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -250,21 +317,12 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams; pause a request whose consumer is too far behind."""
-        limit = self.config.stream_buffer_outputs
+        """Hand a step's outputs to their streams (OutputStreams.put pauses one too far behind)."""
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            stream.queue.put_nowait(out)
-            stream.undelivered += 1
-            if stream.undelivered >= limit and not stream.paused and not out.finished:
-                stream.paused = True
-                self.engine.pause_request(out.request_id)
+            self._streams.put(out)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
+        self._streams.fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -275,7 +333,7 @@ class AsyncEngine:
         self.engine.close()  # a tensor-parallel group's ranks exit with it
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineStats"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "OutputStreams"]
 
 
 def _resolve(fut: asyncio.Future[CachedBlocks], cached: CachedBlocks) -> None:

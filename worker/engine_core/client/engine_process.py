@@ -27,10 +27,9 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
-from worker.async_engine import CACHED_BLOCKS_TIMEOUT_S, STALL_TIMEOUT_S, EngineDeadError, EngineStats
+from worker.async_engine import CACHED_BLOCKS_TIMEOUT_S, STALL_TIMEOUT_S, EngineDeadError, EngineStats, OutputStreams
 from worker.config import EngineConfig
 from worker.engine import Prompt
 from worker.engine_core.client.spawn import START_TIMEOUT_S, start_core, wait_ready
@@ -50,7 +49,7 @@ from worker.engine_core.protocol import (
     StepOutputs,
 )
 from worker.kv import CachedBlocks
-from worker.outputs import OutputAccumulator, RequestOutput
+from worker.outputs import RequestOutput
 from worker.request import Scheduling
 from worker.sampling_params import SamplingParams
 
@@ -62,17 +61,6 @@ _A = TypeVar("_A")
 SHUTDOWN_TIMEOUT_S = 60.0
 # How long kill() waits for the killed core to be reaped.
 KILL_WAIT_S = 10.0
-
-
-@dataclass
-class _Stream:
-    """One request's outputs on their way to its consumer (event-loop side only)."""
-
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    undelivered: int = 0
-    paused: bool = False
-    prompt: str | None = None  # from the request's first output: later ones come without it
-    prompt_token_ids: list[int] | None = None
 
 
 class EngineProcess:
@@ -95,7 +83,11 @@ class EngineProcess:
         self._kv_cache_bytes = ready.kv_cache_bytes
         self._processor_fqcns = ready.processor_fqcns
         self._rank_pids = list(ready.rank_pids)
-        self._streams: dict[str, _Stream] = {}
+        self._streams = OutputStreams(
+            config.stream_buffer_outputs, self._pause, lambda rid: self._send(Resume(rid)), self._abort_request
+        )
+        # A request's prompt, from its first output (later ones come without it), until it ends.
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self._cache_waiters: dict[int, asyncio.Future[CachedBlocks]] = {}
         self._query_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,26 +146,28 @@ class EngineProcess:
         Raises ValueError before any output when the engine refuses the request.
         """
         self._check_alive()
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already running")
         self._bind_loop()
-        stream = self._streams[request_id] = _Stream()
-        acc = OutputAccumulator()
-        finished = False
+        self._streams.open(request_id)  # ValueError when the id is already running
         try:
             self._send(AddRequest(request_id, prompt, params, scheduling))
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self._delivered(request_id, stream)
-                finished = item.finished
-                yield item if delta else acc.add(item)
+        except BaseException:
+            self._streams.close(request_id)
+            raise
+        try:
+            async with contextlib.aclosing(self._streams.outputs(request_id, delta=delta)) as outputs:
+                async for out in outputs:
+                    yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished and self.dead is None:
-                with contextlib.suppress(EngineDeadError):
-                    self._send(Abort(request_id))
+            self._prompts.pop(request_id, None)
+
+    def _pause(self, request_id: str) -> None:
+        with contextlib.suppress(EngineDeadError):  # then the streams fail anyway
+            self._send(Pause(request_id))
+
+    def _abort_request(self, request_id: str) -> None:
+        if self.dead is None:
+            with contextlib.suppress(EngineDeadError):
+                self._send(Abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
@@ -190,13 +184,6 @@ class EngineProcess:
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._cache_waiters.pop(qid, None)
-
-    def _delivered(self, request_id: str, stream: _Stream) -> None:
-        """One output taken by the consumer: a paused request resumes once half the bound is."""
-        stream.undelivered -= 1
-        if stream.paused and stream.undelivered <= self.config.stream_buffer_outputs // 2:
-            stream.paused = False
-            self._send(Resume(request_id))
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -252,9 +239,7 @@ class EngineProcess:
         if isinstance(event, StepOutputs):
             self._dispatch(event.outputs)
         elif isinstance(event, Rejected):
-            stream = self._streams.get(event.request_id)
-            if stream is not None:
-                stream.queue.put_nowait(_rejection(event))
+            self._streams.fail(event.request_id, _rejection(event))
         elif isinstance(event, CachedBlocksReply):
             fut = self._cache_waiters.get(event.query_id)
             if fut is not None and not fut.done():
@@ -269,26 +254,17 @@ class EngineProcess:
             self._fail_all(err)
 
     def _dispatch(self, outputs: tuple[RequestOutput, ...]) -> None:
-        """A step's outputs to their streams; pause a request whose consumer is too far behind."""
-        limit = self.config.stream_buffer_outputs
+        """A step's outputs to their streams, each with its prompt (OutputStreams.put pauses a
+        request whose consumer is too far behind)."""
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if stream.prompt_token_ids is None:
-                stream.prompt, stream.prompt_token_ids = out.prompt, out.prompt_token_ids
+            if out.request_id not in self._prompts:
+                self._prompts[out.request_id] = (out.prompt, out.prompt_token_ids)
             else:
-                out.prompt, out.prompt_token_ids = stream.prompt, stream.prompt_token_ids
-            stream.queue.put_nowait(out)
-            stream.undelivered += 1
-            if stream.undelivered >= limit and not stream.paused and not out.finished:
-                stream.paused = True
-                with contextlib.suppress(EngineDeadError):  # then the streams fail anyway
-                    self._send(Pause(out.request_id))
+                out.prompt, out.prompt_token_ids = self._prompts[out.request_id]
+            self._streams.put(out)
 
     def _fail_all(self, exc: EngineDeadError) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(str(exc)))
+        self._streams.fail_all(EngineDeadError(str(exc)))
         for fut in self._cache_waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(str(exc)))
