@@ -337,3 +337,92 @@ def test_a_runner_step_builds_no_transformers_mask(tiny_model: LoadedModel) -> N
         assert calls  # proves the spy was live
     finally:
         register_attention()
+
+
+# ----------------------------------------------------------------------------- the persistent block table
+
+
+@dataclass
+class _Live:
+    blocks: list[int]
+    tokens: list[int] = field(default_factory=list)  # in the KV blocks
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet run
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    block_size=st.sampled_from([1, 3, 8]),
+    padded=st.booleans(),
+    steps=st.integers(4, 24),
+)
+def test_steps_through_the_persistent_block_table_equal_a_plain_forward(
+    tiny_model: LoadedModel, seed: int, block_size: int, padded: bool, steps: int
+) -> None:
+    """Rows join, leave, grow into new blocks, are preempted (a new block list) and reordered;
+    each step's logits equal a cache-free forward of each sampled row's whole sequence, whichever
+    of the dynamic or the padded path ran it."""
+    rng = random.Random(seed)
+    vocab = len(tiny_model.tokenizer)
+    max_len = 48
+    runner = ModelRunner(
+        tiny_model,
+        num_blocks=6 * -(-max_len // block_size) + 1,
+        block_size=block_size,
+        max_model_len=max_len,
+        cuda_graphs=padded,
+        max_num_seqs=6,
+    )
+    free = rng.sample(range(runner.num_blocks), runner.num_blocks)
+    live: list[_Live] = []
+    for _ in range(steps):
+        for r in [r for r in live if len(r.tokens) + 1 >= max_len or rng.random() < 0.1]:  # finish
+            live.remove(r)
+            free += r.blocks
+        for r in [r for r in live if rng.random() < 0.1]:  # preempted: blocks freed, the list rebound
+            free += r.blocks
+            r.pending, r.tokens, r.blocks = r.tokens + r.pending, [], []
+        if len(live) < 6 and rng.random() < 0.6:
+            live.append(_Live([], pending=[rng.randrange(vocab) for _ in range(rng.randint(1, 20))]))
+        if rng.random() < 0.3:  # the batch reorders its rows
+            rng.shuffle(live)
+        if rng.random() < 0.3 and len(live) > 1:
+            i, j = rng.sample(range(len(live)), 2)
+            live[i], live[j] = live[j], live[i]
+        plan: list[tuple[_Live, list[int]]] = []
+        for r in live:
+            new = r.pending[: rng.randint(1, 12)] if r.pending else [rng.randrange(vocab)]
+            new = new[: max_len - len(r.tokens)]
+            r.blocks.extend(free.pop() for _ in range(-(-(len(r.tokens) + len(new)) // block_size) - len(r.blocks)))
+            plan.append((r, new))
+        if not plan:
+            continue
+        seqs = [ScheduledSeq(r.blocks, new, len(r.tokens), True) for r, new in plan]
+        got = runner.execute(seqs)
+        for r, new in plan:
+            r.tokens += new
+            r.pending = r.pending[len(new) :]  # a prompt chunk ran (a decode row has none pending)
+        want = torch.stack([_plain_last_logits(tiny_model, r.tokens) for r, _ in plan])
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+def test_a_step_writes_only_the_table_entries_that_changed(tiny_model: LoadedModel) -> None:
+    """Host work O(changed rows): steady decode rows rewrite no table row; crossing a block
+    boundary appends one entry; a reordered batch swaps rows instead of rewriting them."""
+    runner = ModelRunner(tiny_model, num_blocks=64, block_size=4, max_model_len=64)
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    runner.execute([ScheduledSeq(t, list(range(100, 109)), 0, True) for t in tables])  # 9 tokens each
+    table = runner.block_table
+    start = (table.num_rewrites, table.num_appended, table.num_swaps)
+    assert start[0] == 4  # the first step wrote every row once
+    for pos in (9, 10, 11):  # within the rows' third block
+        runner.execute([ScheduledSeq(t, [7], pos, True) for t in tables])
+    assert (table.num_rewrites, table.num_appended, table.num_swaps) == start
+    for t, b in zip(tables, (12, 13, 14, 15)):
+        t.append(b)
+    runner.execute([ScheduledSeq(t, [7], 12, True) for t in tables])  # into a fourth block
+    assert (table.num_rewrites, table.num_appended) == (start[0], start[1] + 4)
+    order = [tables[3], tables[1], tables[2], tables[0]]
+    runner.execute([ScheduledSeq(t, [7], 13, True) for t in order])
+    assert table.num_rewrites == start[0] and table.num_swaps == start[2] + 1
+    assert table.table[:4, :4].tolist() == order

@@ -10,9 +10,11 @@ showing a list that sits in a later row (the persistent batch moved or swapped i
 the two rows; any other row is rewritten; rows past the step's last are cleared. Host work per
 step: one identity check per row plus the changed entries.
 
-Entries past a row's own blocks hold ``null_block``, a block the KV manager never hands out, so a
-full-width gather of any row reads only blocks that exist (the padded decode path's padding
-rows point there too).
+Entries past a row's own blocks hold ``null_block``, a block the KV manager never hands out (or,
+without the padded decode path, block 0, which a length mask hides), so a full-width gather of
+any row reads only blocks that exist (the padded decode path's padding rows point there too).
+Entries are range-checked as they enter, against ``[0, num_valid)``: a step's check costs only
+its new entries. A failed check raises before the row is touched, so the table stays consistent.
 """
 
 from __future__ import annotations
@@ -23,12 +25,23 @@ import torch
 
 
 class BlockTable:
-    def __init__(self, max_rows: int, max_blocks: int, null_block: int, *, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        max_rows: int,
+        max_blocks: int,
+        null_block: int,
+        *,
+        num_valid: int | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        """``num_valid``: entries must lie in ``[0, num_valid)`` (None: unchecked)."""
         if max_rows < 1 or max_blocks < 1:
             raise ValueError(f"block table: needs >= 1 row and block, got {max_rows} x {max_blocks}")
         self.max_rows = max_rows
         self.max_blocks = max_blocks
         self.null_block = null_block
+        self.num_valid = num_valid
+        self._pin = pin_memory
         self.table = torch.full((max_rows, max_blocks), null_block, dtype=torch.int32, pin_memory=pin_memory)
         self.num_rows = 0  # rows past this one are all null_block
         self._source: list[Sequence[int] | None] = [None] * max_rows  # the list each row mirrors
@@ -40,6 +53,23 @@ class BlockTable:
         self.num_appended = 0
 
     # -- primitives (the reference test drives these directly) ---------------------------------
+
+    def ensure_rows(self, rows: int) -> None:
+        """Room for ``rows`` rows (at least doubling): a step of more sequences than the batch holds."""
+        if rows <= self.max_rows:
+            return
+        grown = max(rows, 2 * self.max_rows)
+        table = torch.full((grown, self.max_blocks), self.null_block, dtype=torch.int32, pin_memory=self._pin)
+        table[: self.max_rows] = self.table
+        self.table = table
+        self._source += [None] * (grown - self.max_rows)
+        self._len += [0] * (grown - self.max_rows)
+        self.max_rows = grown
+
+    def _check(self, blocks: Sequence[int]) -> None:
+        """Raise unless every entry of ``blocks`` is a block id requests may hold."""
+        if self.num_valid is not None and blocks and (min(blocks) < 0 or max(blocks) >= self.num_valid):
+            raise ValueError(f"block ids must be in [0, {self.num_valid})")
 
     def _own(self, row: int, source: Sequence[int] | None) -> None:
         old = self._source[row]
@@ -56,6 +86,7 @@ class BlockTable:
         n = len(blocks) if n is None else n
         if n > self.max_blocks:
             raise ValueError(f"block table: {n} blocks exceed the width {self.max_blocks}")
+        self._check(blocks[:n])
         line = self.table[row]
         if n:
             line[:n] = torch.tensor(blocks[:n], dtype=torch.int32)
@@ -70,6 +101,7 @@ class BlockTable:
         have, n = self._len[row], len(blocks)
         if have + n > self.max_blocks:
             raise ValueError(f"block table: {have + n} blocks exceed the width {self.max_blocks}")
+        self._check(blocks)
         if n == 1:
             self.table[row, have] = blocks[0]
         elif n:
@@ -117,18 +149,24 @@ class BlockTable:
         if len(rows) > self.max_rows:
             raise ValueError(f"block table: {len(rows)} rows exceed its {self.max_rows}")
         for i, (blocks, n) in enumerate(zip(rows, used)):
-            if self._source[i] is not blocks:
-                j = self._row_of.get(id(blocks))
-                if j is not None and j > i and self._source[j] is blocks:
-                    self.swap_rows(i, j)  # moved here by the batch: its entries come along
-                else:
-                    self.add_row(i, blocks, n, source=blocks)
-                    continue
-            have = self._len[i]
-            if n > have:
-                self.append_row(i, blocks[have:n])
-            elif n < have:
-                self.truncate_row(i, n)
+            try:
+                self._sync_row(i, blocks, n)
+            except ValueError as exc:
+                raise ValueError(f"row {i}: {exc}") from exc
         for i in range(len(rows), self.num_rows):
             self.clear_row(i)
         self.num_rows = len(rows)
+
+    def _sync_row(self, i: int, blocks: Sequence[int], n: int) -> None:
+        if self._source[i] is not blocks:
+            j = self._row_of.get(id(blocks))
+            if j is not None and j > i and self._source[j] is blocks:
+                self.swap_rows(i, j)  # moved here by the batch: its entries come along
+            else:
+                self.add_row(i, blocks, n, source=blocks)
+                return
+        have = self._len[i]
+        if n > have:
+            self.append_row(i, blocks[have:n])
+        elif n < have:
+            self.truncate_row(i, n)

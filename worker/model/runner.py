@@ -15,6 +15,11 @@ With ``cuda_graphs`` on, a pure-decode step takes the padded static path instead
 the same path eagerly on CPU); mixed and prefill steps stay on this dynamic path. That path
 reserves one block of the pool as its null block (padding rows write there): ``num_blocks`` is
 then the pool's blocks less that one, the blocks requests can be given.
+
+Both paths read one persistent ``BlockTable`` (a row per scheduled sequence, in step order: the
+batch rows, then the prompt chunks not yet in it), synced incrementally at the start of each step:
+host work per step is one identity check per row plus the blocks that changed, not a rebuild of
+every row's table from lists.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from worker.model.attention import (
     register_attention,
     resolve_backend,
 )
+from worker.model.block_table import BlockTable
 from worker.model.cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
 from worker.model.fusion import fuse_layers
 from worker.model.gather import head_major
@@ -161,6 +167,15 @@ class ModelRunner:
             logger.info("fused layers: %s", fuse_layers(self._model).describe())
         self._no_mask = prepared_mask_sentinel(loaded.device)
         self._workspace: dict[str, torch.Tensor] = {}
+        cuda = loaded.device.type == "cuda"
+        # The padded path's padding rows point at its null block; without it, block 0 pads (masked).
+        null = self.num_blocks if mode != "off" else 0
+        max_blocks = -(-max_len // block_size)
+        self.block_table = BlockTable(max_num_seqs, max_blocks, null, num_valid=self.num_blocks, pin_memory=cuda)
+        # The dynamic path's device copy of the table (on CPU the table itself is read).
+        self._device_table: torch.Tensor | None = None
+        # The host table is rewritten each step: not before the last step's copy out of it ran.
+        self._copied = torch.cuda.Event() if cuda else None
         self.num_cascade_steps = 0  # steps whose decode rows attended a shared prefix once (cascade)
         self.num_cascade_chunk_steps = 0  # ... whose prompt chunks did
         self.static: StaticDecode | None = None
@@ -173,7 +188,8 @@ class ModelRunner:
                 max_num_seqs=max_num_seqs,
                 block_size=block_size,
                 max_model_len=max_len,
-                null_block=self.num_blocks,  # the last block: outside [0, num_blocks)
+                table=self.block_table,  # its null block: the last, outside [0, num_blocks)
+                copied=self._copied,
                 no_mask=self._no_mask,
                 workspace=self._workspace,
             )
@@ -199,9 +215,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def _check(self, seqs: Sequence[ScheduledSeq]) -> None:
+    def _check(self, seqs: Sequence[ScheduledSeq]) -> list[int]:
+        """Validate the step; return each seq's blocks in use at its end. O(seqs + blocks written):
+        the range of every block id is checked as it enters the ``BlockTable``."""
         written: set[int] = set()
         bs = self.block_size
+        used: list[int] = []
         for i, s in enumerate(seqs):
             if not s.token_ids:
                 raise ValueError(f"seq {i}: no tokens scheduled")
@@ -210,16 +229,38 @@ class ModelRunner:
                 raise ValueError(f"seq {i}: {end} tokens exceed max_model_len {self.max_model_len}")
             if len(s.block_ids) * bs < end:
                 raise ValueError(f"seq {i}: {len(s.block_ids)} blocks cannot hold {end} tokens")
-            used = s.block_ids[: -(-end // bs)]
-            if min(used) < 0 or max(used) >= self.num_blocks:  # C-speed over every block, not a Python loop
-                raise ValueError(f"seq {i}: block ids must be in [0, {self.num_blocks})")
-            for b in s.block_ids[s.start_pos // bs : -(-end // bs)]:
+            n = -(-end // bs)
+            for b in s.block_ids[s.start_pos // bs : n]:
                 if b in written:
                     raise ValueError(f"seq {i}: block {b} is written by two sequences in one step")
                 written.add(b)
+            used.append(n)
+        return used
 
-    def _metadata(self, seqs: Sequence[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata]:
-        """Build every index tensor of the step from Python lists, with one host-to-device copy."""
+    def _sync_table(self, seqs: Sequence[ScheduledSeq], used: list[int]) -> None:
+        """Bring the persistent block table in step with this step's sequences (row i = seqs[i])."""
+        if self._copied is not None:
+            self._copied.synchronize()  # long done: the last step's sampled tokens were read since
+        self.block_table.ensure_rows(len(seqs))
+        self.block_table.sync([s.block_ids for s in seqs], used)
+
+    def _table_on_device(self, rows: int) -> torch.Tensor:
+        """Rows ``[:rows]`` of the block table where the forward reads them (int32)."""
+        host = self.block_table.table
+        if self._copied is None:
+            return host[:rows]
+        dev = self._device_table
+        if dev is None or dev.shape[0] < host.shape[0]:
+            dev = self._device_table = torch.empty(host.shape, dtype=host.dtype, device=self._device)
+        dev[:rows].copy_(host[:rows], non_blocking=True)
+        self._copied.record()
+        return dev[:rows]
+
+    def _metadata(
+        self, seqs: Sequence[ScheduledSeq], used: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata]:
+        """Every index tensor of the step: the per-token ones from Python lists (one host-to-device
+        copy), the block tables as rows of the persistent table."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -228,9 +269,10 @@ class ModelRunner:
         extra: list[int] = []
         dec_index: list[int] = []
         dec_lens: list[int] = []
-        dec_tables: list[Sequence[int]] = []
+        dec_rows: list[int] = []
         chunk_args: list[tuple[int, int, int, Sequence[int]]] = []  # (flattened start, tokens, KV start, blocks)
-        for s in seqs:
+        chunk_rows: list[int] = []
+        for row, s in enumerate(seqs):
             n, start = len(s.token_ids), len(ids)
             end = s.start_pos + n
             ids.extend(s.token_ids)
@@ -240,44 +282,38 @@ class ModelRunner:
             if s.sample:
                 keep.append(start + n - 1)
             extra.extend(range(start, start + s.prompt_logits))
-            used = -(-end // bs)
             if n == 1:
                 dec_index.append(start)
                 dec_lens.append(end)
-                dec_tables.append(table[:used])
+                dec_rows.append(row)
             else:
-                chunk_args.append((start, n, s.start_pos, table[:used]))
+                chunk_args.append((start, n, s.start_pos, table[: used[row]]))
+                chunk_rows.append(row)
         keep += extra
-        width = max(map(len, dec_tables), default=0)
-        padded: list[int] = []
-        zeros = [0] * width
-        for t in dec_tables:  # list extends run at C speed: O(rows) Python steps, not O(rows x blocks)
-            padded += t
-            padded += zeros[: width - len(t)]
-        shared = self._shared_blocks(padded, dec_lens, width)
-        chunk_blocks = [b for *_, blocks in chunk_args for b in blocks]
-        lists = (ids, pos, slots, keep, dec_index, dec_lens, padded, chunk_blocks)
+        width = max((used[r] for r in dec_rows), default=0)
+        leading = dec_rows == list(range(len(dec_rows)))  # the decode rows are the table's first rows
+        shared = self._shared_blocks(dec_rows, leading, dec_lens, width)
+        lists = (ids, pos, slots, keep, dec_index, dec_lens, [] if leading else dec_rows)
         flat = int64_tensor(list(chain.from_iterable(lists)))
         flat = flat.to(self._device, non_blocking=True)
-        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_table, t_chunk_blocks = flat.split(
-            [len(part) for part in lists]
-        )
+        t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_dec_rows = flat.split([len(part) for part in lists])
+        tables = self._table_on_device(len(seqs))
 
         kvh, nb = self._k[0].shape[0], self.pool_blocks
         decode = None
         if dec_index:
-            table = t_table.view(len(dec_index), width)
+            rows = tables[: len(dec_rows)] if leading else tables.index_select(0, t_dec_rows)
+            dec_table = rows[:, :width].long()
             cascade = None
             if shared:
                 self.num_cascade_steps += 1
-                cascade = shared_prefix(table, t_dec_lens, max(dec_lens), shared, self.block_size, nb, kvh)
-            decode = DecodeRows(t_dec_index, table, head_major(t_table, kvh, nb), t_dec_lens, max(dec_lens), cascade)
+                cascade = shared_prefix(dec_table, t_dec_lens, max(dec_lens), shared, self.block_size, nb, kvh)
+            heads = head_major(dec_table.reshape(-1), kvh, nb)
+            decode = DecodeRows(t_dec_index, dec_table, heads, t_dec_lens, max(dec_lens), cascade)
         chunks: list[PromptChunk] = []
-        offset = 0
-        for tok, n, start, table_ids in chunk_args:
-            blocks = t_chunk_blocks[offset : offset + len(table_ids)]
+        for (tok, n, start, table_ids), row in zip(chunk_args, chunk_rows):
+            blocks = tables[row, : len(table_ids)].long()
             chunks.append(PromptChunk(tok, n, start, blocks, head_major(blocks, kvh, nb)))
-            offset += len(table_ids)
         cascade_chunks = None
         if len(chunk_args) > 1:
             cascade_chunks = shared_chunks(chunk_args, self.block_size, nb, kvh, self._device)
@@ -287,27 +323,29 @@ class ModelRunner:
         )
         return t_ids, t_pos, t_keep, meta
 
-    def _shared_blocks(self, padded: list[int], lengths: list[int], width: int) -> int:
+    def _shared_blocks(self, rows: list[int], leading: bool, lengths: list[int], width: int) -> int:
         """Leading blocks shared by every decode row, or 0 where cascade attention would not pay.
 
-        Decided on the host lists, before the step's single host-to-device copy (no device sync).
+        Decided on the host table, before the step's copies to the device (no device sync).
         """
         if not cascade_pays(len(lengths), width * self.block_size):
             return 0
-        table = int64_tensor(padded).view(len(lengths), width)
+        host = self.block_table.table
+        table = host[: len(rows), :width] if leading else host[rows, :width]
         shared = common_prefix_blocks(table, torch.tensor(lengths), self.block_size)
         return shared if shared and cascade_pays(len(lengths), shared * self.block_size) else 0
 
     def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
         """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order,
         then the ``prompt_logits`` rows of each seq, in seqs order."""
-        self._check(seqs)
+        used = self._check(seqs)
         with torch.inference_mode():
             if not seqs:
                 return torch.empty((0, self.vocab_size), dtype=self._k[0].dtype, device=self._device)
+            self._sync_table(seqs, used)
             if self.static is not None and self.static.fits(seqs):
-                return self.static.run(seqs)
-            ids, pos, keep, meta = self._metadata(seqs)
+                return self.static.run(seqs, used)
+            ids, pos, keep, meta = self._metadata(seqs, used)
             out = self._model(
                 input_ids=ids[None],
                 attention_mask=self._no_mask,

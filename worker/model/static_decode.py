@@ -115,18 +115,22 @@ class StaticDecode:
         max_num_seqs: int,
         block_size: int,
         max_model_len: int,
-        null_block: int,
+        table: BlockTable,
+        copied: torch.cuda.Event | None,
         no_mask: torch.Tensor,
         workspace: dict[str, torch.Tensor],
     ) -> None:
-        """``workspace``: the gather buffers, preallocated here at the largest bucket and never
-        grown after (a graph keeps their addresses)."""
+        """``table``: the runner's persistent block table, synced by it before ``run`` (its null
+        block pads). ``copied``: the runner's event, recorded after this path's copies out of its
+        host buffers (the runner waits on it before rewriting them). ``workspace``: the gather
+        buffers, preallocated here at the largest bucket and never grown after (a graph keeps their
+        addresses)."""
         assert mode != "off"
         self.mode: StaticMode = mode
         self._model = model
         self._k, self._v = k_cache, v_cache
         self.block_size = block_size
-        self.null_block = null_block
+        self.null_block = null_block = table.null_block
         self._no_mask = no_mask
         kv_heads, num_blocks, _, dim = k_cache[0].shape
         self._kv_heads, self._pool_blocks = kv_heads, num_blocks
@@ -137,14 +141,13 @@ class StaticDecode:
         self.widths = width_buckets(self.max_blocks, WIDTH_STEP[mode])
         rows = self.buckets[-1]
         cuda = device.type == "cuda"
-        self.table = BlockTable(max_num_seqs, self.max_blocks, null_block, pin_memory=cuda)
+        self.table = table
         # ids, positions, slots, context lengths of every row: one host-to-device copy per step.
         self._inputs = torch.zeros((4, rows), dtype=torch.long, device=device)
         self._staging = torch.zeros((4, rows), dtype=torch.long, pin_memory=cuda) if cuda else None
         self._table = torch.full((rows, self.max_blocks), null_block, dtype=torch.int32, device=device)
         self._token_index = torch.arange(rows, device=device)
-        # The host buffers are rewritten each step: not before the last step's copies out of them ran.
-        self._copied = torch.cuda.Event() if cuda else None
+        self._copied = copied
         gather_rows = kv_heads * rows * self.max_blocks
         for name in ("k", "v"):
             buf = workspace.get(name)
@@ -167,32 +170,29 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ inputs
 
-    def _fill(self, seqs: Sequence[ScheduledSeq]) -> tuple[int, int]:
-        """Write the step into the static buffers; return its (rows, width) bucket."""
+    def _fill(self, seqs: Sequence[ScheduledSeq], used: Sequence[int]) -> tuple[int, int]:
+        """Write the step into the static buffers; return its (rows, width) bucket. ``used``: each
+        row's blocks in use (the runner has synced the block table's rows to them)."""
         n = len(seqs)
         rows = _bucket(self.buckets, n)
         pad = rows - n
         bs = self.block_size
-        ids, pos, slots, lens, used = [], [], [], [], []
+        ids, pos, slots, lens = [], [], [], []
         for s in seqs:
             p = s.start_pos
             ids.append(s.token_ids[0])
             pos.append(p)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
             lens.append(p + 1)
-            used.append(p // bs + 1)
         width = _bucket(self.widths, max(used, default=1))
         flat = int64_tensor(
             [*ids, *[0] * pad, *pos, *[0] * pad, *slots, *[self.null_block * bs] * pad, *lens, *[1] * pad]
         ).view(4, rows)
-        if self._copied is not None:
-            self._copied.synchronize()
-        self.table.sync([s.block_ids for s in seqs], used)
         if self._staging is not None:
             self._staging[:, :rows].copy_(flat)
             flat = self._staging[:, :rows]
         self._inputs[:, :rows].copy_(flat, non_blocking=True)
-        self._table[:rows].copy_(self.table.table[:rows], non_blocking=True)
+        self._table[:rows].copy_(self.table.table[:rows], non_blocking=True)  # rows past the step's: null
         if self._copied is not None:
             self._copied.record()
         return rows, width
@@ -229,9 +229,9 @@ class StaticDecode:
         )
         return out.logits[0]
 
-    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def run(self, seqs: Sequence[ScheduledSeq], used: Sequence[int]) -> torch.Tensor:
         """One pure-decode step (``fits``): logits [len(seqs), vocab], in seqs order."""
-        rows, width = self._fill(seqs)
+        rows, width = self._fill(seqs, used)
         self.bucket_steps[(rows, width)] += 1
         graph = self._graphs.get((rows, width))
         if graph is None:
