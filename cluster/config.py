@@ -43,6 +43,10 @@ from worker.config import EngineConfig as WorkerEngineConfig
 Port = Annotated[int, Field(ge=1, le=65535)]
 # Serve's convention: -1 means an unbounded queue.
 QueueLimit = Annotated[int, Field(ge=-1)]
+# Ray CPUs of one actor: finite, and no more than a very large node has (more would never place,
+# and the engine sizes torch's thread pool from it).
+MAX_ACTOR_CPUS = 1024
+CpuCount = Annotated[float, Field(ge=0, le=MAX_ACTOR_CPUS, allow_inf_nan=False)]
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _FQCN = re.compile(rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$")
@@ -149,7 +153,7 @@ class WorkerDeploymentConfig(_Frozen):
     num_gpus: NonNegativeFloat = Field(default=0.0, json_schema_extra={"maximum": 1})
     """Per rank: 0 (CPU), a share of one GPU (replicas sharing it), or 1; see _one_gpu. A replica
     with engine.tensor_parallel_size N takes N of them, one placement-group bundle per rank."""
-    num_cpus: NonNegativeFloat | None = None
+    num_cpus: CpuCount | None = None
     """Ray CPUs per rank; torch's threads in the engine follow them. None: 1 on a cluster (a small
     node must still place a worker beside the ingress), but under `logitpool serve` on the local
     cluster it starts itself, a CPU worker's share of the machine's cores (`local_worker_cpus`)."""
@@ -182,7 +186,7 @@ class IngressConfig(_Frozen):
     """The `LogitpoolIngress` deployment (HTTP + gRPC front end, no model)."""
 
     num_replicas: PositiveInt = 1
-    num_cpus: NonNegativeFloat = 1.0
+    num_cpus: CpuCount = 1.0
     max_ongoing_requests: PositiveInt = 1024
     max_queued_requests: QueueLimit = 1024
 

@@ -68,6 +68,15 @@ def test_replicas_and_autoscaling_are_exclusive() -> None:
     assert auto.workers.num_replicas is None
 
 
+@pytest.mark.parametrize("section", ["workers", "ingress"])
+@pytest.mark.parametrize("cpus", [1e30, float("inf"), float("nan"), -1, 1025])
+def test_a_cpu_count_no_node_could_give_is_refused_by_name(section: str, cpus: float) -> None:
+    """Ray would queue such a replica forever (and torch's threads follow the worker's count)."""
+    with pytest.raises(ValueError, match=rf"{section}\.num_cpus"):
+        LogitpoolConfig.model_validate({section: {"num_cpus": cpus}})
+    assert getattr(LogitpoolConfig.model_validate({section: {"num_cpus": 2.5}}), section).num_cpus == 2.5
+
+
 def test_max_ongoing_below_batch_fails_and_default_follows_batch() -> None:
     with pytest.raises(ValueError, match="max_ongoing_requests"):
         LogitpoolConfig.model_validate({"engine": {"max_num_seqs": 32}, "workers": {"max_ongoing_requests": 31}})
