@@ -39,7 +39,7 @@ def test_sync_equals_a_rebuilt_table_under_churn(seed: int, max_rows: int, width
     for _ in range(25):
         appended = 0
         for _ in range(rng.randint(0, 3)):
-            op = rng.choice(["join", "grow", "leave", "swap", "rewind", "preempt"])
+            op = rng.choice(["join", "grow", "leave", "swap", "rewind", "preempt", "preempt_new", "decoded"])
             if op == "join" and len(rows) < max_rows:
                 rows.append([next(fresh) for _ in range(rng.randint(0, width))])
                 used.append(rng.randint(0, len(rows[-1])))
@@ -63,6 +63,11 @@ def test_sync_equals_a_rebuilt_table_under_churn(seed: int, max_rows: int, width
             elif op == "preempt" and rows:
                 i = rng.randrange(len(rows))
                 rows[i] = list(rows[i])  # freed and re-allocated: same blocks, a new list object
+            elif op == "preempt_new" and rows:
+                i = rng.randrange(len(rows))
+                rows[i] = [next(fresh) for _ in range(len(rows[i]))]  # re-allocated: other blocks
+            elif op == "decoded":
+                rows = [list(r) for r in rows]  # a tensor-parallel rank: every list new each step
         before = table.num_appended
         table.sync(rows, used)
         assert torch.equal(table.table, _reference(rows, used, max_rows, width))
@@ -84,6 +89,22 @@ def test_a_steady_decode_step_appends_only_the_new_blocks() -> None:
     assert torch.equal(table.table, _reference(rows, [3, 2, 2], 4, 8))
     table.sync(rows[:1], [3])  # two rows leave: cleared to the null block
     assert torch.equal(table.table, _reference(rows[:1], [3], 4, 8))
+
+
+def test_a_rank_rebuilding_its_lists_each_step_appends_and_never_rewrites() -> None:
+    """A tensor-parallel rank decodes the step's block lists afresh every step: same entries,
+    new list objects. The rows are adopted (and appended to), not rewritten."""
+    table = BlockTable(4, 8, NULL)
+    rows = [[1, 2], [3], [4, 5, 6]]
+    table.sync([list(r) for r in rows], [2, 1, 3])
+    rewrites = table.num_rewrites
+    rows[1].append(7)
+    table.sync([list(r) for r in rows], [2, 2, 3])
+    assert (table.num_rewrites, table.num_appended) == (rewrites, 1)
+    rows[0] = [8, 9]  # a row whose entries really changed is rewritten
+    table.sync([list(r) for r in rows], [2, 2, 3])
+    assert table.num_rewrites == rewrites + 1
+    assert torch.equal(table.table, _reference(rows, [2, 2, 3], 4, 8))
 
 
 def test_primitives_equal_the_reference() -> None:

@@ -7,8 +7,10 @@ list it mirrors (the request's ``block_ids``) and how many of its entries it hol
 from ``worker.kv`` only grow while a request holds them and are rebound (a new list) when freed,
 so a step appends only the new entries of a row still showing the same list object; a row
 showing a list that sits in a later row (the persistent batch moved or swapped it there) swaps
-the two rows; any other row is rewritten; rows past the step's last are cleared. Host work per
-step: one identity check per row plus the changed entries.
+the two rows; a row showing a new list that starts with the row's entries (a tensor-parallel
+rank rebuilds the lists each step) adopts it and appends; any other row is rewritten; rows past
+the step's last are cleared. Host work per step: one identity check per row plus the changed
+entries (plus a C-speed compare of a row's entries where its list object is new).
 
 Entries past a row's own blocks hold ``null_block``, a block the KV manager never hands out (or,
 without the padded decode path, block 0, which a length mask hides), so a full-width gather of
@@ -160,8 +162,14 @@ class BlockTable:
     def _sync_row(self, i: int, blocks: Sequence[int], n: int) -> None:
         if self._source[i] is not blocks:
             j = self._row_of.get(id(blocks))
+            old, have = self._source[i], self._len[i]
             if j is not None and j > i and self._source[j] is blocks:
                 self.swap_rows(i, j)  # moved here by the batch: its entries come along
+            elif old is not None and 0 < have <= n and old[:have] == blocks[:have]:
+                # The same entries in a new list (a tensor-parallel rank decodes every step's
+                # lists afresh; a re-allocation handed back the same blocks): adopt it. The row
+                # holds old[:have] because lists only grow in place. A C-speed compare, no write.
+                self._own(i, blocks)
             else:
                 self.add_row(i, blocks, n, source=blocks)
                 return
