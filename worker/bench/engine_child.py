@@ -1,4 +1,6 @@
-"""One engine build's uniform workload, for `python -m worker.bench.compare` (run as a script).
+"""One engine build's workload, for `python -m worker.bench.compare` (run as a script): uniform
+(N random prompts) or shared (N prompts of one common prefix and ``own`` tokens each, the prefix
+run once first so every request starts from the cache, as ``bench engine``'s shared-prefix row).
 
 Run with PYTHONPATH at any checkout of this project, old or new: it imports only
 ``worker.llm.LLM``, ``worker.model.loader.load_model`` and ``worker.sampling_params.SamplingParams``,
@@ -29,6 +31,7 @@ def main(spec: dict) -> dict[str, dict]:
         max_num_batched_tokens=spec["budget"],
         max_model_len=spec["max_model_len"],
         load_entry_points=False,
+        **spec.get("engine", {}),  # engine fields to A/B (e.g. fused_layers), for this tree only
     )
     params = SamplingParams(temperature=0.0, max_tokens=spec["new"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -36,7 +39,13 @@ def main(spec: dict) -> dict[str, dict]:
     results = {}
     for n in spec["concurrency"]:
         g = torch.Generator().manual_seed(n)
-        prompts = [torch.randint(10, loaded.vocab_size, (spec["prompt"],), generator=g).tolist() for _ in range(n)]
+        if spec.get("workload", "uniform") == "shared":
+            prefix = torch.randint(10, loaded.vocab_size, (spec["prompt"],), generator=g).tolist()
+            own = spec["own"]
+            prompts = [prefix + torch.randint(10, loaded.vocab_size, (own,), generator=g).tolist() for _ in range(n)]
+            llm.generate([[*prefix, 11]], warm, use_tqdm=False)  # the prefix in the cache
+        else:
+            prompts = [torch.randint(10, loaded.vocab_size, (spec["prompt"],), generator=g).tolist() for _ in range(n)]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
