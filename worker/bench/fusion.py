@@ -5,6 +5,11 @@ The 80M peer model (``worker.bench.peer_model``) loaded twice, one runner with
 (KV contents do not change the work). Calls alternate between the two so that load on the
 machine falls on both alike; the median per step and the ratio are reported, with the number of
 kernels a step runs (``count_kernels``: each a launch on a GPU), counted by the profiler.
+On CPU the fused runner fuses what the engine does there (q/k/v only: ``FUSED_MLP_DEVICES``).
+
+``--gemms``: the GEMMs fusion merges, separate against fused, at the model's shapes (q/k/v:
+768 -> 768 + 256 + 256; gate/up: 768 -> 2 x 2048), M rows each, alternating: the measurement
+behind fusing gate/up only on CUDA.
 """
 
 from __future__ import annotations
@@ -75,19 +80,56 @@ def ab_table(runners: dict[str, ModelRunner], rows: list[int], context: int, rep
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
 
 
-def bench_args(prog: str, rows: list[int], argv: list[str] | None) -> argparse.Namespace:
+def gemm_table(rows: list[int], reps: int) -> None:
+    """Median ms of the separate and the fused GEMMs per merge, M rows of the 80M model's width."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    hidden = 768
+    parts = {"q/k/v": [768, 256, 256], "gate/up": [2048, 2048]}
+    weights = {k: [torch.randn(n, hidden, generator=g) for n in sizes] for k, sizes in parts.items()}
+    fused = {k: torch.cat(ws) for k, ws in weights.items()}
+    print("| M | merge | separate ms | fused ms | fused speed-up |")
+    print("|---|---|---|---|---|")
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, hidden, generator=g)
+            for k in parts:
+                calls: dict[str, Callable[[], object]] = {
+                    "separate": functools.partial(lambda x, ws: [F.linear(x, w) for w in ws], x, weights[k]),
+                    "fused": functools.partial(F.linear, x, fused[k]),
+                }
+                times: dict[str, list[float]] = {n: [] for n in calls}
+                inner = max(3, 2000 // m)
+                for _ in range(reps):
+                    for name, call in calls.items():
+                        start = time.perf_counter()
+                        for _ in range(inner):
+                            call()
+                        times[name].append((time.perf_counter() - start) / inner)
+                sep, fus = (1e3 * statistics.median(times[n]) for n in calls)
+                print(f"| {m} | {k} | {sep:.3f} | {fus:.3f} | {sep / fus:.2f}x |", flush=True)
+
+
+def bench_args(prog: str, rows: list[int], argv: list[str] | None, *, gemms: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--rows", type=int, nargs="+", default=rows)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=15)
+    if gemms:
+        p.add_argument("--gemms", action="store_true", help="time the merged GEMMs alone (behind fused_layers on CPU)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_args("python -m worker.bench.fusion", [1, 8, 32], argv)
+    args = bench_args("python -m worker.bench.fusion", [1, 8, 32], argv, gemms=True)
+    if args.gemms:
+        print(f"fp32 GEMMs, {args.threads} threads; median of {args.reps} rounds")
+        gemm_table(args.rows, args.reps)
+        return 0
     blocks = max(args.rows) * -(-(args.context + 1) // BLOCK)
     runners = {
         name: ModelRunner(

@@ -7,8 +7,10 @@ module by module, only what is provably the same computation:
 - on CUDA, an RMSNorm whose ``forward`` is Llama's (the same bytecode: Mistral's, Qwen's,
   SmolLM's, ...) becomes torch's fused ``rms_norm`` over float32: one kernel for five (on CPU
   torch composes ``rms_norm`` of as many ops, so it is left alone there);
-- a gated MLP whose ``forward`` is Llama's (``down(act(gate(x)) * up(x))``) runs one GEMM over the
-  concatenated ``[gate; up]`` weight;
+- on CUDA, a gated MLP whose ``forward`` is Llama's (``down(act(gate(x)) * up(x))``) runs one GEMM
+  over the concatenated ``[gate; up]`` weight (on CPU MKL runs the one [M, 768] x [768, 4096] GEMM
+  no faster than the two of half the width and up to 20 % slower, M = 8..1024, the 80M model's
+  shapes, docs/benchmarks.md "Fused layers on CPU"; so there it is left alone);
 - q/k/v projections (three ``nn.Linear`` on the same input, biases alike) run one GEMM over
   ``[q; k; v]``: the ``q_proj`` call computes all three, the ``k_proj`` / ``v_proj`` calls on the
   same input tensor take their slice. Any other call (another input, one modified in place)
@@ -60,9 +62,14 @@ def _same_code(fn: object, ref: types.CodeType) -> bool:
     )
 
 
-def fuse_layers(model: nn.Module) -> FusionCounts:
+# Where one [gate; up] GEMM beats two (see the module docstring for CPU).
+FUSED_MLP_DEVICES = frozenset({"cuda"})
+
+
+def fuse_layers(model: nn.Module, *, mlp_devices: frozenset[str] = FUSED_MLP_DEVICES) -> FusionCounts:
     """Fuse what the model's family allows, in place, after the weights are on their device;
-    idempotent (a swapped module is left alone)."""
+    idempotent (a swapped module is left alone). Gate/up fuse only on ``mlp_devices`` (tests pass
+    ``{"cpu"}`` to check that swap's numbers on CPU)."""
     norm_code, mlp_code = _llama_code()
     norms = mlps = qkv = 0
     for module in list(model.modules()):
@@ -73,8 +80,9 @@ def fuse_layers(model: nn.Module) -> FusionCounts:
         if _same_code(cls_forward, norm_code) and isinstance(weight, torch.Tensor) and weight.device.type == "cuda":
             _set_forward(module, _rms_norm(module))
             norms += 1
-        elif _same_code(cls_forward, mlp_code) and _fuse_gate_up(module):
-            mlps += 1
+        elif _same_code(cls_forward, mlp_code):
+            if _fuse_gate_up(module, mlp_devices):
+                mlps += 1
         elif _fuse_qkv(module):
             qkv += 1
     return FusionCounts(norms, mlps, qkv)
@@ -128,10 +136,12 @@ def _concat(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None
     return weight, bias
 
 
-def _fuse_gate_up(mlp: nn.Module) -> bool:
+def _fuse_gate_up(mlp: nn.Module, devices: frozenset[str]) -> bool:
     linears = _linears(mlp, ("gate_proj", "up_proj"))
     down, act = getattr(mlp, "down_proj", None), getattr(mlp, "act_fn", None)
     if linears is None or not isinstance(down, nn.Module) or not callable(act):
+        return False
+    if linears[0].weight.device.type not in devices:
         return False
     weight, bias = _concat(linears)
     split = [m.out_features for m in linears]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.worker.test_model_matrix import _COMMON, FAMILIES
-from worker.model.fusion import FusionCounts, _SharedProjection, fuse_layers
+from worker.model.fusion import FUSED_MLP_DEVICES, FusionCounts, _SharedProjection, fuse_layers
 
 
 def _family_model(name: str, vocab: int = 97) -> nn.Module:
@@ -31,11 +31,13 @@ def _family_model(name: str, vocab: int = 97) -> nn.Module:
     return model
 
 
+@pytest.mark.parametrize("mlp_on_cpu", [True, False], ids=["gate_up_too", "as_on_cpu"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_family_gives_bitwise_the_same_logits(family: str) -> None:
+def test_every_family_gives_bitwise_the_same_logits(family: str, mlp_on_cpu: bool) -> None:
+    """Both what CPU runs (q/k/v only) and the gate/up swap CUDA adds, checked here on CPU."""
     model = _family_model(family)
     fused = copy.deepcopy(model)
-    counts = fuse_layers(fused)
+    counts = fuse_layers(fused, mlp_devices=FUSED_MLP_DEVICES | {"cpu"}) if mlp_on_cpu else fuse_layers(fused)
     ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = model(input_ids=ids).logits
@@ -47,15 +49,17 @@ def test_every_family_gives_bitwise_the_same_logits(family: str) -> None:
     layers = _COMMON["num_hidden_layers"]
     if family in ("llama", "mistral", "mistral_window", "qwen2", "qwen3", "granite", "smollm3"):
         # Llama's RMSNorm and gated MLP, and three q/k/v Linears, in every layer.
-        assert counts.mlps == layers and counts.qkv == layers and counts.norms == 0, counts  # norms: CUDA only
+        mlps = layers if mlp_on_cpu else 0  # gate/up: CUDA only unless asked (one wider GEMM is slower in MKL)
+        assert counts.mlps == mlps and counts.qkv == layers and counts.norms == 0, counts  # norms: CUDA only
     if family == "gpt2":  # fused c_attn, Conv1D, LayerNorm: nothing of the kind to fuse
         assert counts == FusionCounts()
 
 
 def test_fusing_twice_changes_nothing_and_weights_are_views() -> None:
     model = _family_model("llama")
-    first = fuse_layers(model)
-    assert fuse_layers(model) == FusionCounts()
+    first = fuse_layers(model, mlp_devices=frozenset({"cpu"}))
+    assert first.mlps > 0 and first.qkv > 0
+    assert fuse_layers(model, mlp_devices=frozenset({"cpu"})) == FusionCounts()
     attn = model.model.layers[0].self_attn
     q, k = attn.q_proj.weight, attn.k_proj.weight
     # One copy of the weights: k's rows follow q's in the same storage.
