@@ -20,6 +20,16 @@ def test_weights_load_onto_the_accelerator_not_through_host_ram() -> None:
     assert from_pretrained_kwargs(CPU, "auto") == {"dtype": "auto"}  # CPU as before
 
 
+def test_transformers_accepts_the_device_map_the_loader_passes() -> None:
+    """transformers refuses any ``device_map`` when accelerate is missing (a ValueError at the
+    first CUDA load, which no CPU load reaches): run its own check on what the loader passes."""
+    from transformers.integrations.accelerate import check_and_set_device_map
+
+    for device in (CUDA, torch.device("cuda:0")):
+        device_map = from_pretrained_kwargs(device, torch.bfloat16)["device_map"]
+        assert check_and_set_device_map(device_map) == {"": device}
+
+
 @pytest.mark.parametrize(
     ("checkpoint", "device", "bf16", "runs_in"),
     [

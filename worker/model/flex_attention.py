@@ -28,16 +28,24 @@ and the reference-equality tests run it, but slow (docs/benchmarks.md, "Attentio
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 if TYPE_CHECKING:
     from worker.model.attention import StepMetadata
+
+# Forward only: the q-side block index serves the backward pass. ``compute_q_blocks`` came in
+# torch 2.9; a GPU host running this tree on its own older torch builds the index unasked
+# (Any: keyword arguments of a signature that differs between torch versions).
+_FORWARD_ONLY: dict[str, Any] = (
+    {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+)
 
 # Query tile of the chunk call's block mask (flex's default sparse block; its kernels tile by it).
 Q_TILE = 128
@@ -125,7 +133,7 @@ class FlexPlan:
                 BLOCK_SIZE=(Q_TILE, bs),
                 mask_mod=mask_mod,
                 seq_lengths=(1, self.pool_len),
-                compute_q_blocks=False,  # forward only: the q-side index is for the backward pass
+                **_FORWARD_ONLY,
             )
         return mask
 
@@ -151,7 +159,7 @@ class FlexPlan:
                 BLOCK_SIZE=(Q_TILE, bs),
                 mask_mod=mask_mod,
                 seq_lengths=(chunk_of.shape[0], self.pool_len),
-                compute_q_blocks=False,
+                **_FORWARD_ONLY,
             )
         return mask
 
