@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from worker.sampling_params import SamplingParams
 
 # What the engine imports beyond torch and transformers; small wheels to carry to a GPU host.
-NEEDED = ("pydantic", "xgrammar", "tokenizers", "numpy")
+NEEDED = ("pydantic", "xgrammar", "tokenizers", "numpy", "accelerate")  # accelerate: device_map loads
 BLOCK_SIZE = 16
 
 
@@ -230,10 +230,21 @@ def _sync(device: torch.device) -> None:
 
 
 def exact_greedy(plan: Plan, device: torch.device) -> Row:
-    """fp32: the engine's greedy tokens are transformers' generate() tokens, exactly."""
+    """fp32: the engine's greedy tokens are transformers' generate() tokens, exactly. The model
+    is saved as a checkpoint and loaded back through ``load_model``, the serving path (weights
+    straight onto the device through transformers' ``device_map``)."""
+    import tempfile
+
+    from worker.model.loader import load_model
     from worker.sampling_params import SamplingParams
 
-    loaded = build_llama(plan.exact, torch.float32, device, seed=1)
+    built = build_llama(plan.exact, torch.float32, device, seed=1)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as checkpoint:
+        built.model.save_pretrained(checkpoint)
+        built.tokenizer.save_pretrained(checkpoint)
+        del built
+        _free(device)
+        loaded = load_model(checkpoint, device=device, dtype="float32")
     k, n = plan.new_tokens, plan.exact_prompts
     prompts = _prompts(n, plan.exact_prompt_len, plan.exact.vocab, seed=2)
     engine = _engine(loaded, n, plan.exact_prompt_len + k, pool_tokens=n * (plan.exact_prompt_len + k))
@@ -248,7 +259,7 @@ def exact_greedy(plan: Plan, device: torch.device) -> Row:
             theirs.append(out[0, len(p) :].tolist())
     equal = sum(a == b for o, t in zip(ours, theirs, strict=True) for a, b in zip(o, t, strict=True))
     same = ours == theirs
-    detail = f"{n} prompts x {k} tokens, {plan.exact.describe()}: {equal}/{n * k} tokens equal"
+    detail = f"{n} prompts x {k} tokens, {plan.exact.describe()}, via load_model: {equal}/{n * k} tokens equal"
     del engine, loaded
     _free(device)
     return Row("fp32 greedy = transformers generate()", "ok" if same else "FAIL", detail, same)
