@@ -31,7 +31,7 @@ def main(spec: dict) -> dict[str, dict]:
         max_num_batched_tokens=spec["budget"],
         max_model_len=spec["max_model_len"],
         load_entry_points=False,
-        **spec.get("engine", {}),  # engine fields to A/B (e.g. fused_layers), for this tree only
+        **spec["engine"],  # engine fields to A/B (e.g. fused_layers), for this tree only
     )
     params = SamplingParams(temperature=0.0, max_tokens=spec["new"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -39,7 +39,7 @@ def main(spec: dict) -> dict[str, dict]:
     results = {}
     for n in spec["concurrency"]:
         g = torch.Generator().manual_seed(n)
-        if spec.get("workload", "uniform") == "shared":
+        if spec["workload"] == "shared":
             prefix = torch.randint(10, loaded.vocab_size, (spec["prompt"],), generator=g).tolist()
             own = spec["own"]
             prompts = [prefix + torch.randint(10, loaded.vocab_size, (own,), generator=g).tolist() for _ in range(n)]

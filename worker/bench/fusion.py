@@ -7,9 +7,9 @@ machine falls on both alike; the median per step and the ratio are reported, wit
 kernels a step runs (``count_kernels``: each a launch on a GPU), counted by the profiler.
 On CPU the fused runner fuses what the engine does there (q/k/v only: ``FUSED_MLP_DEVICES``).
 
-``--gemms``: the GEMMs fusion merges, separate against fused, at the model's shapes (q/k/v:
-768 -> 768 + 256 + 256; gate/up: 768 -> 2 x 2048), M rows each, alternating: the measurement
-behind fusing gate/up only on CUDA.
+``--gemms``: the GEMMs fusion merges, separate against fused, at the model's shapes (read from
+its config; q/k/v 768 -> 768 + 256 + 256, gate/up 768 -> 2 x 2048), M rows each, alternating:
+the measurement behind fusing gate/up only on CUDA.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -58,56 +58,67 @@ def count_kernels(step: Callable[[], object]) -> int:
     return sum(1 for e in prof.events() if computes(e) and not any(computes(c) for c in e.cpu_children))
 
 
+def alternating_medians(calls: Mapping[str, Callable[[], object]], reps: int, inner: int = 1) -> dict[str, float]:
+    """Median ms per call of each of ``calls``, run in turn ``reps`` times (``inner`` calls per
+    timing), so load on the machine falls on all alike; one warm-up call each first."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                call()
+            times[name].append((time.perf_counter() - start) / inner)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
 def ab_table(runners: dict[str, ModelRunner], rows: list[int], context: int, reps: int) -> None:
     """Print, per batch size, the median decode step of two runners (calls alternating, so load
     falls on both alike), the second's speed-up over the first, and each one's kernels per step."""
-    (a, ra), (b, rb) = runners.items()
+    a, b = runners
     print(f"| rows | {a} ms | {b} ms | {b} speed-up | kernels {a} | kernels {b} |")
     print("|---|---|---|---|---|---|")
     for batch in rows:
-        seqs = _rows(batch, context)
-        times: dict[str, list[float]] = {a: [], b: []}
-        for runner in (ra, rb):
-            runner.execute(seqs)  # warm-up
-        for _ in range(reps):
-            for name, runner in ((a, ra), (b, rb)):
-                start = time.perf_counter()
-                runner.execute(seqs)
-                times[name].append(time.perf_counter() - start)
-        a_ms, b_ms = (1e3 * statistics.median(times[k]) for k in (a, b))
-        ops = [count_kernels(functools.partial(r.execute, seqs)) for r in (ra, rb)]
-        cells = [f"{a_ms:.1f}", f"{b_ms:.1f}", f"{a_ms / b_ms:.2f}x", *map(str, ops)]
+        steps = {name: functools.partial(r.execute, _rows(batch, context)) for name, r in runners.items()}
+        ms = alternating_medians(steps, reps)
+        ops = [count_kernels(step) for step in steps.values()]
+        cells = [f"{ms[a]:.1f}", f"{ms[b]:.1f}", f"{ms[a] / ms[b]:.2f}x", *map(str, ops)]
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
 
 
-def gemm_table(rows: list[int], reps: int) -> None:
-    """Median ms of the separate and the fused GEMMs per merge, M rows of the 80M model's width."""
-    import torch.nn.functional as F
+def _separate(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.nn.functional.linear(x, w) for w in weights]
 
+
+def gemm_table(rows: list[int], reps: int) -> None:
+    """Median ms of the separate and the fused GEMMs per merge, M rows, at the peer model's
+    shapes (read from its config)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(peer_model_path())
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+    kv = cfg.num_key_value_heads * head_dim
+    parts = {
+        "q/k/v": [cfg.num_attention_heads * head_dim, kv, kv],
+        "gate/up": [cfg.intermediate_size, cfg.intermediate_size],
+    }
     g = torch.Generator().manual_seed(0)
-    hidden = 768
-    parts = {"q/k/v": [768, 256, 256], "gate/up": [2048, 2048]}
     weights = {k: [torch.randn(n, hidden, generator=g) for n in sizes] for k, sizes in parts.items()}
     fused = {k: torch.cat(ws) for k, ws in weights.items()}
+    print(f"hidden {hidden}: q/k/v -> {' + '.join(map(str, parts['q/k/v']))}, gate/up -> 2 x {cfg.intermediate_size}")
     print("| M | merge | separate ms | fused ms | fused speed-up |")
     print("|---|---|---|---|---|")
     with torch.inference_mode():
         for m in rows:
             x = torch.randn(m, hidden, generator=g)
-            for k in parts:
+            for k, ws in weights.items():
                 calls: dict[str, Callable[[], object]] = {
-                    "separate": functools.partial(lambda x, ws: [F.linear(x, w) for w in ws], x, weights[k]),
-                    "fused": functools.partial(F.linear, x, fused[k]),
+                    "separate": functools.partial(_separate, x, ws),
+                    "fused": functools.partial(torch.nn.functional.linear, x, fused[k]),
                 }
-                times: dict[str, list[float]] = {n: [] for n in calls}
-                inner = max(3, 2000 // m)
-                for _ in range(reps):
-                    for name, call in calls.items():
-                        start = time.perf_counter()
-                        for _ in range(inner):
-                            call()
-                        times[name].append((time.perf_counter() - start) / inner)
-                sep, fus = (1e3 * statistics.median(times[n]) for n in calls)
+                ms = alternating_medians(calls, reps, inner=max(3, 2000 // m))
+                sep, fus = ms["separate"], ms["fused"]
                 print(f"| {m} | {k} | {sep:.3f} | {fus:.3f} | {sep / fus:.2f}x |", flush=True)
 
 

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.worker.test_model_matrix import _COMMON, FAMILIES
-from worker.model.fusion import FUSED_MLP_DEVICES, FusionCounts, _SharedProjection, fuse_layers
+from worker.model.fusion import FusionCounts, _SharedProjection, fuse_layers
+
+# Gate/up fuse only on CUDA; passed as the devices, this checks that swap's numbers on CPU.
+GATE_UP_ON_CPU = frozenset({"cpu"})
 
 
 def _family_model(name: str, vocab: int = 97) -> nn.Module:
@@ -37,7 +40,7 @@ def test_every_family_gives_bitwise_the_same_logits(family: str, mlp_on_cpu: boo
     """Both what CPU runs (q/k/v only) and the gate/up swap CUDA adds, checked here on CPU."""
     model = _family_model(family)
     fused = copy.deepcopy(model)
-    counts = fuse_layers(fused, mlp_devices=FUSED_MLP_DEVICES | {"cpu"}) if mlp_on_cpu else fuse_layers(fused)
+    counts = fuse_layers(fused, mlp_devices=GATE_UP_ON_CPU) if mlp_on_cpu else fuse_layers(fused)
     ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = model(input_ids=ids).logits
@@ -57,9 +60,9 @@ def test_every_family_gives_bitwise_the_same_logits(family: str, mlp_on_cpu: boo
 
 def test_fusing_twice_changes_nothing_and_weights_are_views() -> None:
     model = _family_model("llama")
-    first = fuse_layers(model, mlp_devices=frozenset({"cpu"}))
+    first = fuse_layers(model, mlp_devices=GATE_UP_ON_CPU)
     assert first.mlps > 0 and first.qkv > 0
-    assert fuse_layers(model, mlp_devices=frozenset({"cpu"})) == FusionCounts()
+    assert fuse_layers(model, mlp_devices=GATE_UP_ON_CPU) == FusionCounts()
     attn = model.model.layers[0].self_attn
     q, k = attn.q_proj.weight, attn.k_proj.weight
     # One copy of the weights: k's rows follow q's in the same storage.
