@@ -16,10 +16,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._dynamo.utils import counters
 
 from tests.worker.test_attention_cascade import attend_step
+from tests.worker.test_model_matrix import _build
 from tests.worker.test_runner import _assert_matches_reference, _corpus_ids, _Req, _run_with_churn
 from worker.config import EngineConfig
+from worker.model import flex_attention
 from worker.model.attention import DecodeRows, PromptChunk, StepMetadata, resolve_backend
 from worker.model.gather import head_major
 from worker.model.loader import LoadedModel
@@ -127,10 +130,10 @@ def test_greedy_tokens_equal_between_backends_under_churn(tiny_model: LoadedMode
 
 def test_backend_choice_per_device() -> None:
     cpu = torch.device("cpu")
-    assert resolve_backend("auto", cpu) == "torch", "measured: eager flex scores the whole pool on CPU"
-    assert resolve_backend("flex", cpu) == "flex"
+    assert resolve_backend("auto", cpu, 16) == "torch", "measured: eager flex scores the whole pool on CPU"
+    assert resolve_backend("flex", cpu, 16) == "flex"
     with pytest.raises(ValueError, match=r"^attention_backend: flex cannot run on meta"):
-        resolve_backend("flex", torch.device("meta"))
+        resolve_backend("flex", torch.device("meta"), 16)
     with pytest.raises(ValueError, match="attention_backend: must be one of auto, torch, flex, got 'triton'"):
         EngineConfig(attention_backend="triton")  # type: ignore[arg-type]  # the wrong value is the test
 
@@ -148,3 +151,69 @@ def test_the_engine_runs_the_flex_backend_with_the_same_greedy_tokens(tiny_model
         assert llm.engine.runner.attention_backend == backend
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert runs["flex"] == runs["torch"]
+
+
+def _churn_run(model: LoadedModel, corpus: list[int], seed: int, backend: str) -> list[_Req]:
+    rng = random.Random(seed)
+    reqs = [
+        _Req([1, *corpus[o : o + n - 1]], rng.randint(1, 12), rng.randint(0, 6) * (i > 1))
+        for i, (n, o) in enumerate((rng.randint(2, 70), rng.randrange(len(corpus) - 70)) for _ in range(8))
+    ]
+    runner = ModelRunner(model, num_blocks=64, block_size=8, max_model_len=96, attention_backend=backend)
+    seen = _run_with_churn(runner, reqs, model.eos_token_ids, budget=rng.choice([16, 32]), rng=rng)
+    assert seen["mixed_steps"] > 0 and seen["split_chunks"] > 0
+    return reqs
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_compiled_flex_keeps_to_a_few_variants_under_churn(
+    family: str, tiny_model: LoadedModel, tmp_path, monkeypatch
+) -> None:
+    """On CUDA flex runs compiled, and past dynamo's recompile limit it would fall back to eager
+    flex, which scores the whole pool there. Dynamo's eager backend has the same guards as
+    Inductor, so on CPU it shows how many variants random steps compile: four, for full layers
+    (llama) and for windowed and full layers with softcap (gemma2) alike; what is left are
+    dynamo's specialisations of sizes of one. Before, the window was a Python int in the
+    mask_mod's closure (a variant per layer kind) and sizes were traced static first (a variant
+    per size that changed, in the order steps came): seven or eight for gemma, at the limit.
+    The compiled runs give the torch backend's tokens and logits (the matrix test checks that
+    one against ``generate()`` for every family)."""
+    model = tiny_model if family == "llama" else _build(family, tmp_path, tiny_model.tokenizer)
+    corpus = _corpus_ids(tiny_model)
+    want = [_churn_run(model, corpus, seed, "torch") for seed in range(2)]
+    monkeypatch.setitem(flex_attention.COMPILED_DEVICES, "cpu", "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = [_churn_run(model, corpus, seed, "flex") for seed in range(2)]
+        assert counters["frames"]["total"] <= 4, dict(counters["frames"])
+        assert torch._dynamo.config.recompile_limit >= flex_attention.RECOMPILE_LIMIT
+    finally:
+        torch._dynamo.reset()
+    for run_want, run_got in zip(want, got):
+        for w, g in zip(run_want, run_got):
+            assert g.output == w.output
+            torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256])
+def test_flex_on_cuda_tiles_kv_by_a_divisor_of_the_block(block_size: int) -> None:
+    """flex's Triton kernels need the block mask's KV block (here the cache block) to be a
+    multiple of their KV tile, 64 by default on Hopper: at block_size 16 the prompt-chunk kernel
+    had no config left and raised. Every CUDA call now asks for a tile that divides the block."""
+    options = flex_attention.kernel_options(torch.device("cuda"), block_size)
+    assert options is not None
+    tile = options["BLOCK_N"]
+    assert block_size % tile == 0 and 8 <= tile <= flex_attention.KV_TILE
+    assert flex_attention.kernel_options(torch.device("cpu"), block_size) is None
+
+
+def test_flex_refused_at_start_up_where_torch_cannot_shrink_the_tile() -> None:
+    """Torch before 2.9 skips a decoding tile larger than the KV block instead of shrinking it (no
+    kernel left): flex on such a torch needs blocks of at least the tile, and says so at start-up."""
+    cuda = torch.device("cuda")
+    reason = flex_attention.flex_unavailable(cuda, 16, shrinks_tile=False)
+    assert reason is not None and "block_size" in reason and "2.9" in reason
+    assert flex_attention.flex_unavailable(cuda, 64, shrinks_tile=False) is None
+    assert flex_attention.flex_unavailable(cuda, 16, shrinks_tile=True) is None
+    assert flex_attention.flex_unavailable(torch.device("cpu"), 16, shrinks_tile=False) is None

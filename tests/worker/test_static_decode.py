@@ -117,6 +117,24 @@ def test_padding_rows_write_only_the_null_block(tiny_model: LoadedModel) -> None
         assert (8, 0) in changed  # the padding row wrote its key into the null block
 
 
+def test_each_bucket_copies_one_contiguous_prefix_of_the_inputs(tiny_model: LoadedModel) -> None:
+    """A step's inputs go to the device in one copy of a contiguous prefix (a strided [4, rows]
+    slice of a [4, max] buffer made CUDA sync the stream before the copy), and each bucket reads a
+    fixed address (what its graph captured)."""
+    runner = ModelRunner(tiny_model, num_blocks=9, block_size=4, max_model_len=32, cuda_graphs=True, max_num_seqs=8)
+    static = runner.static
+    assert static is not None
+    for rows in static.buckets:
+        view = static._rows_inputs(rows)
+        assert view.shape == (4, rows) and view.is_contiguous() and view.data_ptr() == static._inputs.data_ptr()
+    tables = [[0, 1], [2, 3], [4, 5]]
+    for table in tables:
+        runner.execute([ScheduledSeq(table, list(range(10, 15)), 0, False)])
+    runner.execute([ScheduledSeq(t, [7 + i], 5, True) for i, t in enumerate(tables)])  # bucket of 4
+    null_slot = static.null_block * 4
+    assert static._rows_inputs(4).tolist() == [[7, 8, 9, 0], [5, 5, 5, 0], [5, 13, 21, null_slot], [6, 6, 6, 1]]
+
+
 # ----------------------------------------------------------------------------- the engine
 
 

@@ -46,7 +46,7 @@ METADATA_KWARG = "logitpool_step"
 AttentionBackend = Literal["torch", "flex"]
 
 
-def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
+def resolve_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
     """``auto`` -> the measured best for the device (docs/benchmarks.md, "Attention backends"):
     torch, on CPU (where eager flex scores the whole pool) and, until flex is measured on a GPU,
     on CUDA too (flex there is opt-in). A backend that cannot run on ``device`` is refused with
@@ -54,7 +54,7 @@ def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "torch"
     if name == "flex":
-        reason = flex_unavailable(device)
+        reason = flex_unavailable(device, block_size)
         if reason is not None:
             raise ValueError(f"attention_backend: flex cannot run on {device}: {reason}")
         return "flex"

@@ -21,21 +21,24 @@ union of its chunks' blocks. GQA is flex's ``enable_gqa``. The plan (indices, bl
 window) is built once per step, on the device, by the first layer that needs it.
 
 On CUDA flex_attention runs ``torch.compile``'d (its Triton kernels, with the decoding kernel for
-one-token queries); elsewhere eagerly, which materialises scores over the whole pool: correct,
+one-token queries, tiled to divide the KV block; a few compiled variants per engine, bounded by a
+test); elsewhere eagerly, which materialises scores over the whole pool: correct,
 and the reference-equality tests run it, but slow (docs/benchmarks.md, "Attention backends").
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.torch_version import TorchVersion
 
 if TYPE_CHECKING:
     from worker.model.attention import StepMetadata
@@ -50,32 +53,71 @@ _FORWARD_ONLY: dict[str, Any] = (
 # Query tile of the chunk call's block mask (flex's default sparse block; its kernels tile by it).
 Q_TILE = 128
 
+# The KV tile flex's Triton kernels use by default: 64 tokens on Hopper and Ampere for bf16 at
+# head dim 128 (torch/_inductor/template_heuristics). A block mask's KV block must be a multiple of
+# the kernel's tile, and here it is the cache block (16 tokens by default), so on CUDA every call
+# asks for a tile that divides the block (vLLM's flex backend does the same).
+KV_TILE = 64
+
+# Torch before 2.9 skips a decoding-kernel tile larger than the mask's KV block instead of
+# shrinking it (no kernel is left: the first decode step fails); 2.9 shrinks it (as vLLM's flex
+# backend checks, "supports_small_blocks"). Its own option cannot help there, so such a torch
+# needs KV blocks of at least the default tile.
+_SHRINKS_TILE = TorchVersion(torch.__version__) >= "2.9.0.dev0"
+
 FlexFn = Callable[..., torch.Tensor]
 
 
-def flex_unavailable(device: torch.device) -> str | None:
-    """Why the flex backend cannot run on ``device`` (None: it can)."""
-    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
-        return "flex_attention on CUDA needs triton, which is not installed"
+def flex_unavailable(device: torch.device, block_size: int, *, shrinks_tile: bool = _SHRINKS_TILE) -> str | None:
+    """Why the flex backend cannot run on ``device`` at ``block_size`` (None: it can)."""
     if device.type not in ("cuda", "cpu"):
         return f"flex_attention is not supported on {device.type}"
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "flex_attention on CUDA needs triton, which is not installed"
+        if not shrinks_tile and block_size % KV_TILE:
+            return (
+                f"torch {torch.__version__}'s flex kernels need block_size to be a multiple of {KV_TILE} "
+                f"(got {block_size}); raise block_size or use torch >= 2.9"
+            )
     return None
 
 
-@cache
-def _compiled() -> FlexFn:
-    return cast(FlexFn, torch.compile(flex_attention, dynamic=True))
+def kernel_options(device: torch.device, block_size: int) -> dict[str, Any] | None:
+    """The Triton tile options of a compiled call on ``device`` (None: flex's own, off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return {"BLOCK_N": math.gcd(KV_TILE, block_size)}
 
 
-# Devices whose flex_attention runs compiled. CPU is left out, measured (docs/benchmarks.md,
-# "Attention backends"): its compile takes over a minute per variant on 2 cores, and eager flex
-# scores the whole pool. ``python -m worker.bench.attention --cpu-compile`` adds it.
-COMPILED_DEVICES: set[str] = {"cuda"}
+# The compiled variants one engine needs (measured by the churn test in
+# tests/worker/test_flex_attention.py: four, whatever the layer kinds): decode with one row and
+# with more (dynamo specialises a size of 1), prompt chunks traced once static then dynamic.
+# Dynamo's default limit of 8 per function is raised to leave room: past the limit it falls back
+# to eager flex, which on a GPU scores the whole pool (out of memory on the first long prompt).
+RECOMPILE_LIMIT = 16
+
+
+@functools.cache
+def compiled_flex(backend: str) -> FlexFn:
+    """flex_attention under ``torch.compile`` with ``backend`` (Inductor: the Triton kernels)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    return cast(FlexFn, torch.compile(flex_attention, dynamic=True, backend=backend))
+
+
+# Devices whose flex_attention runs compiled, with the torch.compile backend. CPU is left out,
+# measured (docs/benchmarks.md, "Attention backends"): its compile takes over a minute per variant
+# on 2 cores, and eager flex scores the whole pool. ``python -m worker.bench.attention
+# --cpu-compile`` adds it; the churn test adds it with dynamo's eager backend (same guards, so the
+# same variants, without Inductor's compile).
+COMPILED_DEVICES: dict[str, str] = {"cuda": "inductor"}
 
 
 def _flex_fn(device: torch.device) -> FlexFn:
     """Compiled where COMPILED_DEVICES says (on CUDA its Triton kernels are what makes it fast)."""
-    return _compiled() if device.type in COMPILED_DEVICES else cast(FlexFn, flex_attention)
+    backend = COMPILED_DEVICES.get(device.type)
+    return cast(FlexFn, flex_attention) if backend is None else compiled_flex(backend)
 
 
 def _softcap_mod(cap: float) -> Callable[..., torch.Tensor]:
@@ -107,20 +149,26 @@ class FlexPlan:
     _decode_masks: dict[int | None, BlockMask] = field(default_factory=dict)
     _chunk_masks: dict[int | None, BlockMask] = field(default_factory=dict)
 
+    def _window(self, window: int | None) -> torch.Tensor:
+        """The window as a 0-d device tensor (a fill kernel, no copy), ``pool_len`` for none: the
+        mask_mod is then the same code and closure for windowed and full layers, so one compiled
+        variant serves both (a Python int in its closure would be a constant: one variant each)."""
+        return torch.full((), self.pool_len if window is None else window, device=self.block_pos.device)
+
     def decode_mask(self, window: int | None) -> BlockMask:
         mask = self._decode_masks.get(window)
         if mask is None:
             assert self.dec_table is not None and self.dec_lengths is not None
             table, lengths, block_pos, bs = self.dec_table, self.dec_lengths, self.block_pos, self.block_size
-            last = table.shape[1] - 1
+            span = self._window(window)
 
             def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
                 blk = kv // bs
                 lp = block_pos[blk]
                 pos = lp * bs + kv % bs
                 length = lengths[b]
-                ok = (lp >= 0) & (pos < length) & (table[b, lp.clamp(0, last)] == blk)
-                return ok & (pos >= length - window) if window is not None else ok
+                row_blk = table[b, lp.clamp(0, table.shape[1] - 1)]
+                return (lp >= 0) & (pos < length) & (row_blk == blk) & (pos >= length - span)
 
             rows = table.shape[0]
             num = (-(-lengths // bs)).to(torch.int32).view(rows, 1, 1)
@@ -135,6 +183,7 @@ class FlexPlan:
                 seq_lengths=(1, self.pool_len),
                 **_FORWARD_ONLY,
             )
+            _dynamic(mask, table, lengths)
         return mask
 
     def chunk_mask(self, window: int | None) -> BlockMask:
@@ -143,15 +192,15 @@ class FlexPlan:
             assert self.chunk_of is not None and self.chunk_pos is not None and self.chunk_table is not None
             assert self.chunk_kv_num is not None and self.chunk_kv_indices is not None
             chunk_of, chunk_pos, table = self.chunk_of, self.chunk_pos, self.chunk_table
-            block_pos, bs, last = self.block_pos, self.block_size, self.chunk_table.shape[1] - 1
+            block_pos, bs, span = self.block_pos, self.block_size, self._window(window)
 
             def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
                 blk = kv // bs
                 lp = block_pos[blk]
                 pos = lp * bs + kv % bs
                 query_pos = chunk_pos[q]
-                ok = (lp >= 0) & (pos <= query_pos) & (table[chunk_of[q], lp.clamp(0, last)] == blk)
-                return ok & (pos > query_pos - window) if window is not None else ok
+                row_blk = table[chunk_of[q], lp.clamp(0, table.shape[1] - 1)]
+                return (lp >= 0) & (pos <= query_pos) & (row_blk == blk) & (pos > query_pos - span)
 
             mask = self._chunk_masks[window] = BlockMask.from_kv_blocks(
                 self.chunk_kv_num,
@@ -161,7 +210,16 @@ class FlexPlan:
                 seq_lengths=(chunk_of.shape[0], self.pool_len),
                 **_FORWARD_ONLY,
             )
+            _dynamic(mask, chunk_of, chunk_pos, table)
         return mask
+
+
+def _dynamic(mask: BlockMask, *closure: torch.Tensor) -> None:
+    """Mark every size of a step's mask and mask_mod tensors dynamic for ``torch.compile``: traced
+    static first, as dynamo does unasked, each size a step varies (rows, table width, chunk
+    tokens) cost one more compiled variant, and their number grew with the order steps came in."""
+    for t in (mask.kv_num_blocks, mask.kv_indices, *closure):
+        torch._dynamo.maybe_mark_dynamic(t, list(range(t.dim())))
 
 
 def build_plan(meta: StepMetadata) -> FlexPlan:
@@ -224,20 +282,22 @@ def flex_paged_attention(
     kv_heads, num_blocks, bs, dim = k_cache.shape
     keys = k_cache.view(1, kv_heads, num_blocks * bs, dim)
     values = v_cache.view(1, kv_heads, num_blocks * bs, dim)
-    flex = _flex_fn(q.device)
-    gqa = q.shape[1] != kv_heads
-    score_mod = _softcap_mod(softcap) if softcap else None
+    flex = functools.partial(
+        _flex_fn(q.device),
+        score_mod=_softcap_mod(softcap) if softcap else None,
+        scale=scale,
+        enable_gqa=q.shape[1] != kv_heads,
+        kernel_options=kernel_options(q.device, bs),
+    )
     out = q.new_empty(q.shape)
     if meta.decode is not None:
         row_q = q.index_select(0, meta.decode.token_index).unsqueeze(2)  # [B, H, 1, D]
-        attended = flex(
-            row_q, keys, values, score_mod=score_mod, block_mask=plan.decode_mask(window), scale=scale, enable_gqa=gqa
-        )
+        torch._dynamo.maybe_mark_dynamic(row_q, 0)
+        attended = flex(row_q, keys, values, block_mask=plan.decode_mask(window))
         out.index_copy_(0, meta.decode.token_index, attended.squeeze(2))
     if plan.chunk_tokens is not None:
         chunk_q = q.index_select(0, plan.chunk_tokens).transpose(0, 1).unsqueeze(0)  # [1, H, Tc, D]
-        attended = flex(
-            chunk_q, keys, values, score_mod=score_mod, block_mask=plan.chunk_mask(window), scale=scale, enable_gqa=gqa
-        )
+        torch._dynamo.maybe_mark_dynamic(chunk_q, 2)
+        attended = flex(chunk_q, keys, values, block_mask=plan.chunk_mask(window))
         out.index_copy_(0, plan.chunk_tokens, attended[0].transpose(0, 1))
     return out

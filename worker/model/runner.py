@@ -133,7 +133,7 @@ class ModelRunner:
         the default False keeps helper runners, e.g. the profile run's, on the dynamic path), with
         batch buckets up to ``max_num_seqs``; on CUDA the graphs are captured here, once the KV
         pool exists. ``num_blocks``: the pool's blocks, the null block included."""
-        self.attention_backend = resolve_backend(attention_backend, loaded.device)
+        self.attention_backend = resolve_backend(attention_backend, loaded.device, block_size)
         mode = resolve_mode(cuda_graphs, loaded.device, sharded=loaded.shard is not None)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")

@@ -142,9 +142,13 @@ class StaticDecode:
         rows = self.buckets[-1]
         cuda = device.type == "cuda"
         self.table = table
-        # ids, positions, slots, context lengths of every row: one host-to-device copy per step.
-        self._inputs = torch.zeros((4, rows), dtype=torch.long, device=device)
-        self._staging = torch.zeros((4, rows), dtype=torch.long, pin_memory=cuda) if cuda else None
+        # ids, positions, slots, context lengths of every row: one host-to-device copy per step. A
+        # bucket of r rows reads the first 4r entries as [4, r] (``_rows_inputs``): contiguous on
+        # both sides, so the copy is one async memcpy. (A [4, r] slice of a [4, max] buffer is
+        # strided: torch first copies a strided source into a pageable temporary, and CUDA syncs
+        # the stream before a copy from pageable memory: the host waited for the last step.)
+        self._inputs = torch.zeros(4 * rows, dtype=torch.long, device=device)
+        self._staging = torch.zeros(4 * rows, dtype=torch.long, pin_memory=cuda) if cuda else None
         self._table = torch.full((rows, self.max_blocks), null_block, dtype=torch.int32, device=device)
         self._token_index = torch.arange(rows, device=device)
         self._copied = copied
@@ -187,29 +191,31 @@ class StaticDecode:
         width = _bucket(self.widths, max(used, default=1))
         flat = int64_tensor(
             [*ids, *[0] * pad, *pos, *[0] * pad, *slots, *[self.null_block * bs] * pad, *lens, *[1] * pad]
-        ).view(4, rows)
+        )
         if self._staging is not None:
-            self._staging[:, :rows].copy_(flat)
-            flat = self._staging[:, :rows]
-        self._inputs[:, :rows].copy_(flat, non_blocking=True)
+            self._staging[: 4 * rows].copy_(flat)
+            flat = self._staging[: 4 * rows]
+        self._inputs[: 4 * rows].copy_(flat, non_blocking=True)
         self._table[:rows].copy_(self.table.table[:rows], non_blocking=True)  # rows past the step's: null
         if self._copied is not None:
             self._copied.record()
         return rows, width
 
-    def _fill_padding(self) -> None:
-        """Every row a padding row (capture runs on these)."""
-        rows = self.buckets[-1]
-        self._inputs.copy_(
-            torch.tensor([[0] * rows, [0] * rows, [self.null_block * self.block_size] * rows, [1] * rows])
-        )
+    def _rows_inputs(self, rows: int) -> torch.Tensor:
+        """The ``[4, rows]`` inputs a bucket of ``rows`` reads (a fixed address per bucket)."""
+        return self._inputs[: 4 * rows].view(4, rows)
+
+    def _fill_padding(self, rows: int) -> None:
+        """Every row of bucket ``rows`` a padding row (capture runs on these)."""
+        pad = torch.tensor([0, 0, self.null_block * self.block_size, 1], device=self.device)
+        self._rows_inputs(rows).copy_(pad[:, None].expand(4, rows))
         self._table.fill_(self.null_block)
 
     # ------------------------------------------------------------------ the forward
 
     def _forward(self, rows: int, width: int) -> torch.Tensor:
         """The model over the first ``rows`` static rows at ``width`` blocks: logits [rows, vocab]."""
-        ids, pos, slots, lens = self._inputs[:, :rows]
+        ids, pos, slots, lens = self._rows_inputs(rows)
         table = self._table[:rows, :width].long()
         decode = DecodeRows(
             self._token_index[:rows],
@@ -247,11 +253,11 @@ class StaticDecode:
         assert self.mode == "graphs"
         torch.cuda.synchronize(self.device)
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        self._fill_padding()
         order = [(r, w) for r in reversed(self.buckets) for w in reversed(self.widths)]
         pool = None
         with torch.inference_mode():
             for rows, width in order:
+                self._fill_padding(rows)
                 first = self._forward(rows, width)  # warm-up: kernels chosen, workspaces allocated
                 if self._logits is None:
                     self._logits = torch.empty(
