@@ -8,9 +8,11 @@ the device in bfloat16 and prints one table:
 - bf16 top-1 agreement with transformers (its forward over the engine's own continuation),
 - seeded sampling gives the same tokens in two fresh engines,
 - the KV pool the engine sized itself (``worker.model.memory``: a share of the total memory),
-- decode tokens/s at batch 1 / 32 / 256 (1k-token contexts, greedy), the step's host ms (wall
-  time less the GPU's busy time: what the GPU waits on the host), and the memory floor (weights
-  + the KV a step reads, over the bandwidth measured by a device copy) as a ratio of the step.
+- each decode engine's start-up (profile, KV pool, graph capture) in seconds,
+- decode tokens/s at batch 1 / 32 / 256 (1k-token contexts, greedy) with CUDA graphs on, off,
+  and off with the flex backend; the step's host ms (wall time less the GPU's busy time: what
+  the GPU waits on the host), host reads and kernels per step, and the memory floor (weights +
+  the KV a step reads, over the bandwidth measured by a device copy) as a ratio of the step.
 
 Exit 0 when the correctness rows pass, 1 when one fails, 2 without a CUDA device (one line).
 ``--smoke`` runs the same steps at tiny shapes on CPU (CI runs it: tests/worker/bench).
@@ -39,6 +41,13 @@ if TYPE_CHECKING:
 # What the engine imports beyond torch and transformers; small wheels to carry to a GPU host.
 NEEDED = ("pydantic", "xgrammar", "tokenizers", "numpy", "accelerate")  # accelerate: device_map loads
 BLOCK_SIZE = 16
+# The decode-rate engines, one after another: the padded path as CUDA graphs (on CPU eagerly),
+# the dynamic path with the torch backend, and with flex (opt-in until measured here).
+DECODE_VARIANTS: dict[str, dict[str, object]] = {
+    "graphs on": {"cuda_graphs": True},
+    "graphs off": {"cuda_graphs": False},
+    "flex, graphs off": {"cuda_graphs": False, "attention_backend": "flex"},
+}
 
 
 @dataclass(frozen=True)
@@ -185,8 +194,11 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def _engine(loaded: LoadedModel, max_num_seqs: int, max_model_len: int, *, pool_tokens: int | None) -> LLMEngine:
-    """An engine on ``loaded``: a KV pool of ``pool_tokens`` tokens, or None = sized from the device."""
+def _engine(
+    loaded: LoadedModel, max_num_seqs: int, max_model_len: int, *, pool_tokens: int | None, **fields: object
+) -> LLMEngine:
+    """An engine on ``loaded``: a KV pool of ``pool_tokens`` tokens, or None = sized from the
+    device; ``fields``: more EngineConfig fields (the decode variants')."""
     from worker.config import EngineConfig
     from worker.engine import LLMEngine
     from worker.model.runner import block_bytes
@@ -201,6 +213,7 @@ def _engine(loaded: LoadedModel, max_num_seqs: int, max_model_len: int, *, pool_
         block_size=BLOCK_SIZE,
         kv_cache_bytes=kv,
         load_entry_points=False,
+        **fields,  # type: ignore[arg-type]  # EngineConfig's own fields, checked by it
     )
     return LLMEngine(cfg, loaded=loaded)
 
@@ -353,8 +366,10 @@ def _profile_steps(device: torch.device, step: Callable[[], object], steps: int)
         return StepProfile(None, None)
 
 
-def decode_rate(plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, bytes_per_s: float) -> Row:
-    """Greedy decode of ``batch`` rows at ``plan.context`` tokens of context."""
+def decode_rate(
+    plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, bytes_per_s: float, variant: str
+) -> Row:
+    """Greedy decode of ``batch`` rows at ``plan.context`` tokens of context, on ``variant``'s engine."""
     from worker.model.memory import weight_bytes
     from worker.model.runner import kv_shape
     from worker.ops.host_sync import total_host_reads
@@ -397,7 +412,8 @@ def decode_rate(plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, 
     kernels = "n/a" if prof.kernels is None else str(prof.kernels)
     detail = f"step {step_ms:.1f} ms, {host}, {reads:g} host reads/step, {kernels} kernels/step"
     detail += f", floor {floor_ms:.2f} ms: {floor_ms / step_ms:.2f} of the floor"
-    return Row(f"decode batch {batch} ({plan.context} context)", f"{batch * 1e3 / step_ms:,.0f} tok/s", detail)
+    check = f"decode batch {batch} ({plan.context} context), {variant}"
+    return Row(check, f"{batch * 1e3 / step_ms:,.0f} tok/s", detail)
 
 
 # --------------------------------------------------------------------------- main
@@ -411,6 +427,25 @@ def _table(header: str, rows: Sequence[Row]) -> str:
     lines = [header, "| check | result | detail |", "|---|---|---|"]
     lines += [f"| {r.check} | {r.result} | {r.detail} |" for r in rows]
     return "\n".join(lines)
+
+
+def _decode_variant(
+    plan: Plan, loaded: LoadedModel, variant: str, fields: dict[str, object], bytes_per_s: float, *, pool_row: bool
+) -> list[Row]:
+    """One decode engine's rows: its start-up (and the KV pool it sized), then each batch's rate."""
+    steps = plan.warm_steps + plan.timed_steps + plan.profiled_steps
+    t0 = time.perf_counter()
+    engine = _engine(loaded, max(plan.batches), plan.context + steps + 8, pool_tokens=None, **fields)
+    started = time.perf_counter() - t0
+    rows = []
+    if pool_row:
+        budget = engine.kv_budget
+        pool = _size(engine.runner.kv_cache_bytes)
+        rows.append(Row("KV pool", pool, budget.describe() if budget else "CPU: max_num_seqs x max_model_len"))
+    report = engine.runner.capture_report
+    captured = f"; {report.describe()}" if report else ""
+    rows.append(Row(f"engine start-up, {variant}", f"{started:.1f} s", f"profile, KV pool{captured}"))
+    return rows + [decode_rate(plan, engine, loaded, b, bytes_per_s, variant) for b in plan.batches]
 
 
 def run(plan: Plan, device: torch.device) -> list[Row]:
@@ -430,13 +465,12 @@ def run(plan: Plan, device: torch.device) -> list[Row]:
     _free(device)
     copied = f"{plan.copy_bytes >> 20} MiB"
     rows.append(Row("memory bandwidth (device copy)", f"{bytes_per_s / 1e9:,.0f} GB/s", copied))
-    top = max(plan.batches)
-    steps = plan.warm_steps + plan.timed_steps + plan.profiled_steps
-    engine = _engine(loaded, top, plan.context + steps + 8, pool_tokens=None)  # sized as in production
-    budget = engine.kv_budget
-    pool = _size(engine.runner.kv_cache_bytes)
-    rows.append(Row("KV pool", pool, budget.describe() if budget else "CPU: max_num_seqs x max_model_len"))
-    rows += [decode_rate(plan, engine, loaded, b, bytes_per_s) for b in plan.batches]
+    for variant, fields in DECODE_VARIANTS.items():
+        try:  # each engine sized as in production, alone on the device (the last one freed first)
+            rows += _decode_variant(plan, loaded, variant, fields, bytes_per_s, pool_row=variant == "graphs on")
+        except Exception as exc:  # noqa: BLE001  # a variant that fails is a row, and the run goes on
+            rows.append(Row(f"decode, {variant}", "fails", f"{type(exc).__name__}: {exc}"[:300], ok=False))
+        _free(device)
     return rows
 
 

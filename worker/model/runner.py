@@ -47,7 +47,7 @@ from worker.model.cascade import cascade_pays, common_prefix_blocks, shared_chun
 from worker.model.fusion import fuse_layers
 from worker.model.gather import head_major
 from worker.model.loader import LoadedModel
-from worker.model.static_decode import StaticDecode, resolve_mode
+from worker.model.static_decode import CaptureReport, StaticDecode, resolve_mode
 from worker.ops.staging import int64_tensor
 
 logger = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class ModelRunner:
         self.num_cascade_steps = 0  # steps whose decode rows attended a shared prefix once (cascade)
         self.num_cascade_chunk_steps = 0  # ... whose prompt chunks did
         self.static: StaticDecode | None = None
+        self.capture_report: CaptureReport | None = None  # what start-up captured (graphs mode)
         if mode != "off":
             self.static = StaticDecode(
                 self._model,

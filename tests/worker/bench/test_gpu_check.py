@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.bench.gpu_check import main
+from worker.bench.gpu_check import DECODE_VARIANTS, main
 
 REPO = Path(__file__).resolve().parents[3]
 CHECKS = (
@@ -19,8 +19,8 @@ CHECKS = (
     "bf16 top-1 agreement with transformers | ok",
     "seeded runs, two fresh engines | ok",
     "| KV pool |",
-    "| decode batch 1 ",
-    "| decode batch 8 ",
+    *(f"| engine start-up, {v} |" for v in DECODE_VARIANTS),
+    *(f"| decode batch {b} (48 context), {v} |" for b in (1, 4, 8) for v in DECODE_VARIANTS),
 )
 
 
@@ -29,7 +29,8 @@ def test_smoke_run_passes_and_prints_one_table(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     assert lines[0].startswith("gpu-check on CPU (smoke)") and lines[1] == "| check | result | detail |"
-    assert all(line.startswith("|") for line in lines[1:]) and len(lines) == 3 + 9
+    assert all(line.startswith("|") for line in lines[1:]) and len(lines) == 3 + 6 + 4 * len(DECODE_VARIANTS)
+    assert "| fails |" not in out
     for check in CHECKS:
         assert check in out, check
 
