@@ -11,14 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from cluster.config import LogitpoolConfig
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.model.cascade import cascade_pays, common_prefix_blocks
 from worker.model.loader import LoadedModel
 from worker.model.memory import MemorySnapshot, weight_bytes
-from worker.model.profile import ProfileRun, profile_step
+from worker.model.profile import ProfileRun, cascade_profile_step, profile_step
 from worker.model.runner import block_bytes
+from worker.ops.staging import int64_tensor
 from worker.sampling_params import SamplingParams
 
 MIB = 2**20
@@ -129,6 +132,38 @@ def test_profile_step_is_the_largest_step(tokens: int, seqs: int, max_len: int, 
     assert len(written) == len(set(written)) and max(written) < step.num_blocks
     if len(decode) > 1 and len(decode[0].block_ids) > 1:
         assert decode[0].block_ids[0] != decode[1].block_ids[0]
+
+
+@pytest.mark.parametrize(("tokens", "seqs", "max_len", "bs"), [(96, 20, 64, 16), (2048, 64, 4096, 16), (64, 8, 160, 4)])
+def test_cascade_profile_step_shares_the_fewest_blocks_cascade_takes(
+    tokens: int, seqs: int, max_len: int, bs: int
+) -> None:
+    step = cascade_profile_step(tokens, seqs, max_len, bs)
+    assert step is not None
+    decode = step.seqs[: step.decode_rows]
+    table = torch.tensor([s.block_ids for s in decode])
+    lengths = int64_tensor([s.start_pos + 1 for s in decode])
+    shared = common_prefix_blocks(table, lengths, bs)
+    # The shortest prefix that cascade takes at this many rows: the most own keys per row.
+    assert cascade_pays(len(decode), shared * bs) and not cascade_pays(len(decode), (shared - 1) * bs)
+    assert all(s.start_pos == max_len - 1 and len(s.token_ids) == 1 for s in decode)
+    written = [s.block_ids[-1] for s in decode] + [b for s in step.seqs[step.decode_rows :] for b in s.block_ids]
+    assert len(written) == len(set(written)) and max(written) < step.num_blocks
+    for col in range(table.shape[1] - 1):  # a shared block sits at its own column in every table
+        assert col == shared or (table[:, col] == col).all()
+
+
+def test_no_cascade_profile_step_where_cascade_never_pays() -> None:
+    assert cascade_profile_step(96, 4, 64, 16) is None  # 4 rows of 4 blocks: 3 x 48 tokens < 256 saved
+
+
+def test_the_profile_runs_the_cascade_path_where_it_can_pay(tiny_model: LoadedModel) -> None:
+    """A step of many long rows behind a short shared prefix (a system prompt) takes cascade
+    attention at run time, whose fp32 copies of each row's own keys and values the plain
+    profile step never made: the profile runs that step too, through the real runner."""
+    profile = ProfileRun(tiny_model, EngineConfig(**{**SMALL, "max_num_seqs": 20}), 64)
+    profile.run()
+    assert profile.cascade_step is not None and profile._runner.num_cascade_steps == 1
 
 
 def test_the_profile_runs_through_the_real_runner_and_sampler(tiny_model: LoadedModel) -> None:

@@ -7,7 +7,10 @@ is the activation memory every later step needs next to the pool. This engine's 
 gathers each decode row's context, so the step also carries ``max_num_seqs`` decode rows at
 ``max_model_len`` context besides the prompt chunks filling ``max_num_batched_tokens``: the
 gather buffers of the fullest batch are in the peak too. The rows share their leading blocks
-(all but row 0, so no cascade shortcut is taken), so the profile's own KV stays small.
+(all but row 0, so no cascade shortcut is taken), so the profile's own KV stays small. A second
+step runs the same rows through cascade attention, where it can pay, at the shortest shared
+prefix it takes: its fp32 copies of every row's own keys and values are then the largest (up to
+twice the gather), and a step of that shape comes at run time with a short system prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from worker.batch import PersistentBatch
 from worker.config import EngineConfig
 from worker.logits_processor.registry import build_logits_processors
+from worker.model.cascade import cascade_pays
 from worker.model.loader import LoadedModel
 from worker.model.memory import DeviceMemory, KVBudget, MemorySnapshot, weight_bytes
 from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
@@ -51,8 +55,39 @@ def profile_step(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
         table = [*lead[: per_row - 1], next_block]
         next_block += 1
         seqs.append(ScheduledSeq(table, [0], max_model_len - 1, True))
-    left = max_num_batched_tokens - rows
-    chunk_tokens = left
+    return _with_chunks(seqs, next_block, max_num_batched_tokens - rows, max_model_len, block_size)
+
+
+def cascade_profile_step(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+) -> ProfileStep | None:
+    """``profile_step``'s rows sharing exactly the fewest leading blocks cascade attention takes
+    (None where it never pays at this many rows): column c of every table is block c but for
+    column ``shared`` (a block of the row's own, which ends the common run) and the last (the
+    block the row writes). Block c sits at column c in every table that lists it, as prefix
+    caching places blocks."""
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    per_row = -(-max_model_len // block_size)
+    shared = next((k for k in range(1, per_row) if cascade_pays(rows, k * block_size)), None)
+    if shared is None:
+        return None
+    next_block = per_row - 1
+    seqs: list[ScheduledSeq] = []
+    for _ in range(rows):
+        table = list(range(per_row - 1))
+        if shared < per_row - 1:
+            table[shared] = next_block
+            next_block += 1
+        seqs.append(ScheduledSeq([*table, next_block], [0], max_model_len - 1, True))
+        next_block += 1
+    return _with_chunks(seqs, next_block, max_num_batched_tokens - rows, max_model_len, block_size)
+
+
+def _with_chunks(
+    seqs: list[ScheduledSeq], next_block: int, left: int, max_model_len: int, block_size: int
+) -> ProfileStep:
+    """The decode rows ``seqs``, then prompt chunks of ``left`` tokens on blocks of their own."""
+    rows, chunk_tokens = len(seqs), left
     while left > 0:
         n = min(left, max_model_len)
         used = -(-n // block_size)
@@ -80,8 +115,11 @@ class ProfileRun:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, sample: bool = True) -> None:
         bs = config.block_size
-        self.step = profile_step(config.max_num_batched_tokens, config.max_num_seqs, max_model_len, bs)
-        self._runner = ModelRunner(loaded, num_blocks=self.step.num_blocks, block_size=bs, max_model_len=max_model_len)
+        sizes = (config.max_num_batched_tokens, config.max_num_seqs, max_model_len, bs)
+        self.step = profile_step(*sizes)
+        self.cascade_step = cascade_profile_step(*sizes)
+        blocks = max(self.step.num_blocks, self.cascade_step.num_blocks if self.cascade_step else 0)
+        self._runner = ModelRunner(loaded, num_blocks=blocks, block_size=bs, max_model_len=max_model_len)
         pin = loaded.device.type == "cuda"
         self._procs = build_logits_processors(config, loaded.device, pin, entry_points=False)
         self._batch = PersistentBatch(self.step.decode_rows, device=loaded.device, pin_memory=pin)
@@ -92,6 +130,8 @@ class ProfileRun:
         self._sample = sample  # False on tensor-parallel ranks 1..N-1: rank 0 alone samples
 
     def run(self) -> None:
+        if self.cascade_step is not None:
+            self._runner.execute(self.cascade_step.seqs)
         logits = self._runner.execute(self.step.seqs)[: self.step.decode_rows].float()
         if not self._sample:
             return
