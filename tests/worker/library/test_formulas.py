@@ -49,7 +49,13 @@ cut = st.one_of(st.none(), st.floats(0.001, 0.2))
 @SETTINGS
 @given(st.lists(st.one_of(st.none(), st.floats(0.05, 1.0)), min_size=1, max_size=6), st.integers(0, 2**16))
 def test_typical_p_matches_transformers(values: list[float | None], seed: int) -> None:
-    _check_simple(TypicalPLogitsProcessor, "typical_p", ref.typical, values, seed)
+    """1.0 is the off value (as top_p's): the row comes back as it was. Transformers refuses a
+    mass >= 1, and its formula there is no identity: in float32 the cumulative mass can reach 1.0
+    before the last token, which it then removes (1 in 20 random rows; a hypothesis run that drew
+    1.0 failed on it)."""
+    _check_simple(
+        TypicalPLogitsProcessor, "typical_p", lambda row, v: row if v >= 1.0 else ref.typical(row, v), values, seed
+    )
 
 
 @SETTINGS
