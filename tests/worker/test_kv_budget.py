@@ -18,8 +18,8 @@ from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.model.cascade import cascade_pays, common_prefix_blocks
 from worker.model.loader import LoadedModel
-from worker.model.memory import MemorySnapshot, weight_bytes
-from worker.model.profile import ProfileRun, cascade_profile_step, profile_step
+from worker.model.memory import KVBudget, MemorySnapshot, weight_bytes
+from worker.model.profile import ProfileRun, cascade_profile_step, profile_step, profiled_kv_budget
 from worker.model.runner import block_bytes
 from worker.ops.staging import int64_tensor
 from worker.sampling_params import SamplingParams
@@ -164,6 +164,26 @@ def test_the_profile_runs_the_cascade_path_where_it_can_pay(tiny_model: LoadedMo
     profile = ProfileRun(tiny_model, EngineConfig(**{**SMALL, "max_num_seqs": 20}), 64)
     profile.run()
     assert profile.cascade_step is not None and profile._runner.num_cascade_steps == 1
+
+
+def test_the_cuda_graphs_pool_is_reserved_in_the_budget(tiny_model: LoadedModel) -> None:
+    """Captured decode graphs hold a private pool for the engine's life (the largest graph's
+    activations), next to the activations of dynamic steps: with graphs on, the profile runs the
+    largest bucket's forward (max_num_seqs one-token rows, through the real runner) and its peak
+    comes off the KV budget, and out of what must be free."""
+    memory = FakeMemory(FakeGpu(TOTAL), "a", weight_bytes(tiny_model.model))
+    cfg = EngineConfig(kv_cache_memory_fraction=0.45, **SMALL)
+    plain = profiled_kv_budget(tiny_model, cfg, 64, memory, memory.snapshot())
+    graphs = profiled_kv_budget(tiny_model, cfg, 64, memory, memory.snapshot(), graphs=True)
+    assert plain.graph_pool == 0 and graphs.graph_pool == PEAK
+    assert graphs.kv_bytes == plain.kv_bytes - PEAK
+    assert "CUDA graph pool" in graphs.describe() and "CUDA graph pool" not in plain.describe()
+    profile = ProfileRun(tiny_model, cfg, 64, graphs=True)
+    assert profile.graph_step is not None and len(profile.graph_step) == SMALL["max_num_seqs"]
+    profile.run_graph_step()
+    no_room = KVBudget(0.5, TOTAL, 0, PEAK, 0, free=int(0.5 * TOTAL) - PEAK, graph_pool=PEAK)
+    with pytest.raises(ValueError, match=r"only .* free"):
+        no_room.check(block_bytes(tiny_model, 16))
 
 
 def test_the_profile_runs_through_the_real_runner_and_sampler(tiny_model: LoadedModel) -> None:

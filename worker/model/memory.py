@@ -101,23 +101,32 @@ class KVBudget:
     activation_peak: int
     outside_torch: int  # growth since the engine started (cuBLAS workspaces, NCCL, ...)
     free: int  # device memory free once the profile's memory was released
+    # The CUDA graphs' private pool, held for the engine's life next to the activations: the
+    # profiled peak of a decode step at the largest batch bucket (0 without graphs).
+    graph_pool: int = 0
 
     @property
     def kv_bytes(self) -> int:
-        return int(self.fraction * self.total) - self.weights - self.activation_peak - self.outside_torch
+        return int(self.fraction * self.total) - self.weights - self._beside_kv
+
+    @property
+    def _beside_kv(self) -> int:
+        """What the share holds at run time besides the weights and the KV pool."""
+        return self.activation_peak + self.graph_pool + self.outside_torch
 
     def describe(self) -> str:
+        graphs = f" - {self.graph_pool / GIB:.2f} GiB CUDA graph pool" if self.graph_pool else ""
         return (
             f"KV budget {self.kv_bytes / GIB:.2f} GiB = kv_cache_memory_fraction {self.fraction} x "
             f"{self.total / GIB:.2f} GiB total - {self.weights / GIB:.2f} GiB weights - "
-            f"{self.activation_peak / GIB:.2f} GiB profiled activation peak - "
+            f"{self.activation_peak / GIB:.2f} GiB profiled activation peak{graphs} - "
             f"{self.outside_torch / GIB:.2f} GiB outside torch"
         )
 
     def largest_weights(self, one_sequence_kv: int) -> int:
         """The most weight bytes this device's share holds next to the activation peak and the KV
         of one ``max_model_len`` sequence: the largest model (or shard of one) that still serves."""
-        return int(self.fraction * self.total) - self.activation_peak - self.outside_torch - one_sequence_kv
+        return int(self.fraction * self.total) - self._beside_kv - one_sequence_kv
 
     def check(self, block: int) -> int:
         """The budget in bytes; ValueError naming the field when it holds no block or does not fit."""
@@ -127,8 +136,8 @@ class KVBudget:
                 f"kv_cache_memory_fraction: {self.describe()}: no room for one KV block of {block} bytes; "
                 "raise kv_cache_memory_fraction, or lower max_num_batched_tokens / max_num_seqs"
             )
-        # The activations come back at run time (the profile released them), next to the pool.
-        need = kv + self.activation_peak
+        # The activations (and the graphs' pool) come back at run time, next to the KV pool.
+        need = kv + self.activation_peak + self.graph_pool
         if need > self.free:
             raise ValueError(
                 f"kv_cache_memory_fraction: {self.describe()}, but only {self.free / GIB:.2f} GiB of the device "

@@ -11,6 +11,10 @@ gather buffers of the fullest batch are in the peak too. The rows share their le
 step runs the same rows through cascade attention, where it can pay, at the shortest shared
 prefix it takes: its fp32 copies of every row's own keys and values are then the largest (up to
 twice the gather), and a step of that shape comes at run time with a short system prompt.
+Where decode steps replay as CUDA graphs, their private pool is held for the engine's life on
+top: it is profiled as the peak of a forward of ``max_num_seqs`` one-token rows (the largest
+bucket; the gather workspace the graphs read is allocated outside the pool, so the rows' context
+is one block) and reserved in the budget too.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from worker.model.cascade import cascade_pays
 from worker.model.loader import LoadedModel
 from worker.model.memory import DeviceMemory, KVBudget, MemorySnapshot, weight_bytes
 from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes, num_blocks_for
+from worker.model.static_decode import resolve_mode
 from worker.sampler import Sampler
 from worker.sampling_params import SamplingParams
 
@@ -83,6 +88,11 @@ def cascade_profile_step(
     return _with_chunks(seqs, next_block, max_num_batched_tokens - rows, max_model_len, block_size)
 
 
+def graph_profile_step(max_num_seqs: int) -> list[ScheduledSeq]:
+    """The largest decode graph's step: ``max_num_seqs`` one-token rows, each on a block of its own."""
+    return [ScheduledSeq([r], [0], 0, True) for r in range(max_num_seqs)]
+
+
 def _with_chunks(
     seqs: list[ScheduledSeq], next_block: int, left: int, max_model_len: int, block_size: int
 ) -> ProfileStep:
@@ -113,12 +123,27 @@ class ProfileRun:
     """The profile step and the sampler, set up on ``loaded``'s device (its KV, batch and
     processors allocated here, so the peak of ``run`` is the activations alone)."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_model_len: int, *, sample: bool = True) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        max_model_len: int,
+        *,
+        sample: bool = True,
+        graphs: bool = False,
+    ) -> None:
+        """``graphs``: the engine replays decode steps as CUDA graphs (``run_graph_step`` then
+        measures their pool)."""
         bs = config.block_size
         sizes = (config.max_num_batched_tokens, config.max_num_seqs, max_model_len, bs)
         self.step = profile_step(*sizes)
         self.cascade_step = cascade_profile_step(*sizes)
-        blocks = max(self.step.num_blocks, self.cascade_step.num_blocks if self.cascade_step else 0)
+        self.graph_step = graph_profile_step(config.max_num_seqs) if graphs else None
+        blocks = max(
+            self.step.num_blocks,
+            self.cascade_step.num_blocks if self.cascade_step else 0,
+            len(self.graph_step) if self.graph_step else 0,
+        )
         self._runner = ModelRunner(loaded, num_blocks=blocks, block_size=bs, max_model_len=max_model_len)
         pin = loaded.device.type == "cuda"
         self._procs = build_logits_processors(config, loaded.device, pin, entry_points=False)
@@ -138,6 +163,11 @@ class ProfileRun:
         with torch.inference_mode():
             Sampler(self._procs, generator=self._generator)(logits, self._batch.sampling_metadata())
 
+    def run_graph_step(self) -> None:
+        """The largest decode graph's forward, eagerly (its peak is what the graph's pool holds)."""
+        assert self.graph_step is not None
+        self._runner.execute(self.graph_step)
+
 
 def profiled_kv_budget(
     loaded: LoadedModel,
@@ -147,14 +177,22 @@ def profiled_kv_budget(
     start: MemorySnapshot,
     *,
     sample: bool = True,
+    graphs: bool = False,
 ) -> KVBudget:
     """The KV budget of an engine on ``loaded``'s device; ``start`` was read before it loaded.
-    A tensor-parallel rank runs it with every other rank at once (the forward's collectives)."""
-    profile = ProfileRun(loaded, config, max_model_len, sample=sample)
+    A tensor-parallel rank runs it with every other rank at once (the forward's collectives).
+    ``graphs``: decode steps replay as CUDA graphs, whose pool is reserved too."""
+    profile = ProfileRun(loaded, config, max_model_len, sample=sample, graphs=graphs)
     memory.reset_peak()
     before = memory.snapshot()
     profile.run()
     peak = memory.snapshot().peak
+    graph_pool = 0
+    if graphs:
+        memory.reset_peak()
+        at = memory.snapshot()
+        profile.run_graph_step()
+        graph_pool = max(0, memory.snapshot().peak - at.allocated)
     del profile
     gc.collect()  # the profile's runner, batch and processors: their device memory goes back
     memory.release_cached()
@@ -166,6 +204,7 @@ def profiled_kv_budget(
         activation_peak=max(0, peak - before.allocated),
         outside_torch=max(0, now.outside_torch - start.outside_torch),
         free=now.free,
+        graph_pool=graph_pool,
     )
 
 
@@ -190,7 +229,8 @@ def kv_size(
     (``memory``), else ``kv_cache_bytes`` or room for ``max_num_seqs`` full sequences."""
     kv_bytes, budget = config.kv_cache_bytes, None
     if memory is not None and start is not None:
-        budget = profiled_kv_budget(loaded, config, max_model_len, memory, start, sample=sample)
+        graphs = resolve_mode(config.cuda_graphs, loaded.device, sharded=loaded.shard is not None) == "graphs"
+        budget = profiled_kv_budget(loaded, config, max_model_len, memory, start, sample=sample, graphs=graphs)
         logger.info("%s%s", f"rank {loaded.shard.rank}: " if loaded.shard else "", budget.describe())
         kv_bytes = budget.check(block_bytes(loaded, config.block_size))
     blocks = num_blocks_for(
