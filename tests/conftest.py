@@ -22,6 +22,9 @@ os.environ.setdefault("LOGITPOOL_DEBUG_HOOKS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Serve says replicas wait to be scheduled after 5 s, not 30 (tests/cluster/test_operator.py).
 os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", "5")
+# ... and says it every second, not every 30 s: Serve shows one message at a time, and a replica
+# still initializing hides the pending one until the next warning (its default period: 30 s).
+os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S", "1")
 
 # Property tests assert results, never speed: hypothesis's per-example deadline (200 ms) fails on
 # a loaded 2-core CI box, so it is off for the whole suite (benchmarks measure speed).

@@ -20,23 +20,39 @@ APP = "operator"
 
 
 def config(model: str, ports: tuple[int, int], replicas: int, **engine) -> LogitpoolConfig:
+    # The routing policy is pinned: left to its default it follows the replica count, and
+    # `scale 1` would then restart every worker replica under the other router (tens of seconds
+    # here), which this module does not test.
     return LogitpoolConfig.model_validate(
         {
             "engine": {"model": model, "max_num_seqs": 4, "max_model_len": 64, **engine},
             "workers": {"num_replicas": replicas, "num_cpus": 0.5, "num_gpus": 1},
             "server": {"http_port": ports[0], "grpc_port": ports[1]},
+            "routing": {"policy": "cache_aware"},
             "app_name": APP,
         }
     )
 
 
 @pytest.mark.slow
-def test_gpu_without_cuda_fails_with_its_cause(serve_ports, tiny_model_dir):
+def test_gpu_without_cuda_fails_with_its_cause(serve_ports, tiny_model_dir, monkeypatch):
     import torch
     from ray import serve
 
+    import cluster.app
+    from cluster.deploy.serve_config import WORKER_DEPLOYMENT, deployment_options
+
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: a GPU replica starts")
+
+    def one_try(*args, **kwargs):
+        """Serve fails the deployment at the first failed start, not the third (its default for one
+        replica; each try is a fresh replica process, ~10 s here): the cause reported is the same."""
+        opts = deployment_options(*args, **kwargs)
+        opts[WORKER_DEPLOYMENT]["max_constructor_retry_count"] = 1
+        return opts
+
+    monkeypatch.setattr(cluster.app, "deployment_options", one_try)
     try:
         with pytest.raises(CliError, match=r"deployment failed: LogitpoolWorker: .*no CUDA device.*device: auto"):
             deploy(config(str(tiny_model_dir), serve_ports, 1), timeout_s=120)
