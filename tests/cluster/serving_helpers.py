@@ -9,8 +9,31 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from cluster.config import LogitpoolConfig
+
+# Serve's replicas, told to stop, look for ongoing requests every graceful_shutdown_wait_loop_s
+# (default 2 s), the first time only after one such wait: every app deleted or scaled down here
+# would idle that long. They still wait for every ongoing request (graceful_shutdown_timeout_s).
+DRAIN_LOOP_S = 0.2
+
+
+def deploy(cfg: LogitpoolConfig, **kw: Any) -> LogitpoolConfig:
+    """`cluster.cli.launch.deploy`, its deployments checking for ongoing requests every
+    DRAIN_LOOP_S when they stop."""
+    import cluster.app
+    from cluster.cli import launch
+
+    options = cluster.app.deployment_options
+
+    def quick_drain(*args: Any, **kwargs: Any) -> dict[str, dict[str, Any]]:
+        opts = options(*args, **kwargs)
+        return {name: {**o, "graceful_shutdown_wait_loop_s": DRAIN_LOOP_S} for name, o in opts.items()}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cluster.app, "deployment_options", quick_drain)
+        return launch.deploy(cfg, **kw)
 
 
 def deployed(
@@ -20,7 +43,7 @@ def deployed(
     `engine` and `sections` (limits, api_keys, ...) add to that. Deleted afterwards."""
     from ray import serve
 
-    from cluster.cli.launch import deploy, wait_ready
+    from cluster.cli.launch import wait_ready
 
     cfg = LogitpoolConfig.model_validate(
         {

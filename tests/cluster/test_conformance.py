@@ -24,8 +24,9 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def base_url(serve_ports, tiny_model_dir):
-    from cluster.cli.launch import deploy, wait_ready
+    from cluster.cli.launch import wait_ready
     from cluster.config import LogitpoolConfig
+    from tests.cluster.serving_helpers import deploy
 
     cfg = LogitpoolConfig.model_validate(
         {

@@ -112,7 +112,8 @@ def fuzz_target(serve_ports, tiny_model_dir):
     """A deployment with only the built-in processors: any server error is then a bug."""
     from ray import serve
 
-    from cluster.cli.launch import deploy, wait_ready
+    from cluster.cli.launch import wait_ready
+    from tests.cluster.serving_helpers import deploy
 
     cfg = LogitpoolConfig.model_validate(
         {

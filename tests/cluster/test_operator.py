@@ -10,9 +10,10 @@ import time
 import pytest
 
 from cluster.cli.errors import CliError
-from cluster.cli.launch import deploy, healthy
+from cluster.cli.launch import healthy
 from cluster.cli.main import main
 from cluster.config import LogitpoolConfig
+from tests.cluster.serving_helpers import deploy
 
 pytestmark = pytest.mark.ray
 
@@ -40,15 +41,17 @@ def test_gpu_without_cuda_fails_with_its_cause(serve_ports, tiny_model_dir, monk
     from ray import serve
 
     import cluster.app
-    from cluster.deploy.serve_config import WORKER_DEPLOYMENT, deployment_options
+    from cluster.deploy.serve_config import WORKER_DEPLOYMENT
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: a GPU replica starts")
 
+    options = cluster.app.deployment_options
+
     def one_try(*args, **kwargs):
         """Serve fails the deployment at the first failed start, not the third (its default for one
         replica; each try is a fresh replica process, ~10 s here): the cause reported is the same."""
-        opts = deployment_options(*args, **kwargs)
+        opts = options(*args, **kwargs)
         opts[WORKER_DEPLOYMENT]["max_constructor_retry_count"] = 1
         return opts
 

@@ -45,7 +45,8 @@ def config(model_dir, http_port: int, grpc_port: int, **workers) -> LogitpoolCon
 
 @pytest.fixture(scope="module")
 def serving(serve_ports, tiny_model_dir):
-    from cluster.cli.launch import deploy, wait_ready
+    from cluster.cli.launch import wait_ready
+    from tests.cluster.serving_helpers import deploy
 
     # Autoscaling between 1 and 2 worker replicas with short delays: light tests run on one
     # replica, the load test grows the pool to two, which then stay (long downscale delay).

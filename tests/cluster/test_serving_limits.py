@@ -21,7 +21,8 @@ KEY = "s3cret-key"
 def limited(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.cli.launch import deploy, wait_ready
+    from cluster.cli.launch import wait_ready
+    from tests.cluster.serving_helpers import deploy
 
     cfg = LogitpoolConfig.model_validate(
         {

@@ -25,7 +25,8 @@ APP = "soak"
 def soak_target(serve_ports, tiny_model_dir):
     from ray import serve
 
-    from cluster.cli.launch import deploy, wait_ready
+    from cluster.cli.launch import wait_ready
+    from tests.cluster.serving_helpers import deploy
 
     cfg = deploy(soak_config(str(tiny_model_dir), *serve_ports, app=APP, max_num_seqs=16))
     wait_ready("127.0.0.1", cfg.server.http_port, timeout_s=180)
