@@ -134,6 +134,13 @@ class Scheduler:
         """Undo pause: with its KV it rejoins as soon as a row is free, without it it queues first."""
         if not request.paused or request in self._resumed:
             return
+        if request.request_id in self._leaving:  # paused since the last step: its row never left
+            self._leaving.remove(request.request_id)
+            request.in_batch = True
+            request.paused = False
+            self.paused.remove(request)
+            self.running.append(request)
+            return
         if request.num_computed_tokens:
             self._resumed.append(request)
             return

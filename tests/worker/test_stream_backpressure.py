@@ -137,3 +137,36 @@ async def _last(agen):
     async for o in agen:
         last = o
     return last
+
+
+def test_a_pause_and_resume_before_one_step_leave_the_request_as_it_was(tiny_model):
+    """A consumer that falls behind and catches up while one engine step runs: the pause and the
+    resume both wait in the inbox for the next step. The pause took the row out of the batch (its
+    removal pending for that step's update) and the resume put it back at once, so the update
+    removed and re-added the same request: "already in the batch", the request failed (a loaded
+    box did this to a served stream at random). Now the two cancel out: the row stays, and the
+    tokens equal an unpaused run's."""
+    from worker.engine import LLMEngine
+
+    prompts = prompts_of(tiny_model, 2, seed=71)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(flips: set[int]) -> dict[str, list[int]]:
+        engine = LLMEngine(engine_config(max_num_seqs=4, load_entry_points=False), loaded=tiny_model)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        tokens: dict[str, list[int]] = {"r0": [], "r1": []}
+        step = 0
+        while engine.has_unfinished():
+            if step in flips:  # both in the inbox before the step (the rows are in the batch by now)
+                engine.pause_request("r0")
+                engine.resume_request("r0")
+            for out in engine.step():
+                assert out.outputs[0].error is None, out.outputs[0].error
+                tokens[out.request_id] += out.outputs[0].token_ids
+            step += 1
+        assert engine.num_paused == 0
+        return tokens
+
+    want = run(set())
+    assert run({3, 4, 10}) == want and len(want["r0"]) == 24
