@@ -52,6 +52,7 @@ from worker.ops.non_finite import NonFinite, non_finite_rows, resolve_non_finite
 from worker.ops.plan import RowGroup, SamplingPlan, build_plan
 from worker.ops.scratch import Buffer
 from worker.ops.select import ambiguous, resolve_topk, row_argmax, sort_by_value_then_id, topk_candidates
+from worker.ops.staging import to_device
 from worker.ops.topk_topp import TopPScratch, top_p_histogram_, top_p_keep, top_p_probe
 from worker.sampling_metadata import SamplingMetadata
 
@@ -279,7 +280,7 @@ class _FullRows:
             top_p_histogram_(part, top_p[lo:hi], call.scratch.top_p)
             self._bsum[lo:hi] = row_block_sums(part)
             return
-        idx = torch.tensor(rows, device=self.probs.device)
+        idx = to_device(rows, torch.int64, self.probs.device)
         out = call.scratch.nucleus.take((len(rows), self.probs.shape[1]), self.probs.dtype, self.probs.device)
         part = torch.index_select(self.probs, 0, idx, out=out)
         top_p_histogram_(part, top_p.index_select(0, idx), call.scratch.top_p)

@@ -323,3 +323,41 @@ def test_no_raw_device_read_on_the_step_path() -> None:
             if RAW_READ.search(code) and not code.startswith(('"""', "``")) and (path, code) not in HOST_ONLY:
                 found.append(f"{path}: {code}")
     assert not found, "raw device reads outside worker/ops/host_sync.py:\n" + "\n".join(found)
+
+
+# -- the guard: no blocking host-to-device copy on the step path ------------------------------------
+
+COPY_PATH = [
+    *STEP_PATH,
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "worker/model").glob("*.py")),
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "worker/logits_processor").rglob("*.py")),
+]
+# ``torch.tensor(values, device=...)`` where it is not on a step's way: (file, call) -> why.
+OFF_THE_STEP = {
+    ("worker/ops/cutoff.py", "torch.tensor(_NEG_INF, dtype=threshold.dtype, device=threshold.device)"): "CPU only",
+    ("worker/sampler.py", "torch.tensor(bad, device=call.x.device)"): "the error path (a row already failed)",
+    ("worker/sampler.py", "torch.tensor(rows, device=y.device)"): "the error path (naming a NaN's source)",
+}
+
+
+def test_no_blocking_host_to_device_copy_on_the_step_path() -> None:
+    """``torch.tensor(values, device=cuda)`` copies from pageable memory, and torch then syncs the
+    stream: the host waits for every kernel queued before it (the sampler's cutoff did this on
+    every top-k/top-p step, the flex plan on every prompt step). Small host-built tensors go
+    through ``worker.ops.staging.to_device`` (pinned, non-blocking); a device constant is a fill
+    (``x.new_full``). Checked on the source (CPU has no such sync to count); on CUDA
+    ``test_cuda_steady_state_call_has_no_other_sync`` runs a step under sync debug mode."""
+    import ast
+
+    found = []
+    for path in COPY_PATH:
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            func = node.func
+            is_tensor = func.attr in ("tensor", "as_tensor") and isinstance(func.value, ast.Name)
+            if is_tensor and func.value.id == "torch" and any(k.arg == "device" for k in node.keywords):  # type: ignore[attr-defined]
+                call = ast.unparse(node)
+                if (path, call) not in OFF_THE_STEP:
+                    found.append(f"{path}:{node.lineno}: {call}")
+    assert not found, "blocking host-to-device copies on the step path:\n" + "\n".join(found)

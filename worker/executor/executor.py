@@ -22,6 +22,7 @@ from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
 from worker.model.runner import ModelRunner, ScheduledSeq
+from worker.ops.staging import to_device
 from worker.reorder import tail_swaps
 from worker.request import Request
 from worker.sampler import Sampler, SamplerOutput
@@ -153,7 +154,7 @@ class Executor:
             # Every round fails at least one row, so this ends.
             position = {c.request.request_id: i for i, c in enumerate(rows)}
             rows = [rows[position[r.request_id]] for r in survivors]
-            logits = logits[torch.tensor([position[r.request_id] for r in survivors], device=logits.device)]
+            logits = logits[to_device([position[r.request_id] for r in survivors], torch.int64, logits.device)]
             work = logits.clone()
 
     # -- failure isolation -------------------------------------------------------------------

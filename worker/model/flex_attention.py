@@ -251,8 +251,7 @@ def build_plan(meta: StepMetadata) -> FlexPlan:
         chunk_pos = torch.cat(
             [torch.arange(c.start_pos, c.start_pos + c.num_tokens, device=device) for c in meta.chunks]
         )
-        sizes = torch.tensor([c.num_tokens for c in meta.chunks], device=device)
-        chunk_of = torch.repeat_interleave(torch.arange(len(tables), device=device), sizes, output_size=tokens.shape[0])
+        chunk_of = torch.cat([torch.full((c.num_tokens,), i, device=device) for i, c in enumerate(meta.chunks)])
         # Each query tile visits the union of its tokens' visible blocks: a dense [tiles, blocks] map.
         cand = chunk_table[chunk_of]  # [Tc, Wc]
         visible = (torch.arange(cand.shape[1], device=device)[None, :] <= (chunk_pos // bs)[:, None]) & (cand >= 0)

@@ -207,8 +207,8 @@ class StaticDecode:
 
     def _fill_padding(self, rows: int) -> None:
         """Every row of bucket ``rows`` a padding row (capture runs on these)."""
-        pad = torch.tensor([0, 0, self.null_block * self.block_size, 1], device=self.device)
-        self._rows_inputs(rows).copy_(pad[:, None].expand(4, rows))
+        pad = torch.tensor([0, 0, self.null_block * self.block_size, 1])
+        self._rows_inputs(rows).copy_(pad[:, None].expand(4, rows))  # start-up: a blocking copy is fine
         self._table.fill_(self.null_block)
 
     # ------------------------------------------------------------------ the forward

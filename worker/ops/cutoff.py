@@ -30,7 +30,7 @@ def drop_below_(
     # Branch-free: min(x, copysign(inf, x - threshold)), where copysign gives +inf for kept
     # tokens (x == threshold too) and -inf for dropped ones.
     diff = scratch.take((len(rows), x.shape[1]), x.dtype, x.device)
-    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    inf = x.new_full((), float("inf"))  # a fill kernel: torch.tensor(..., device=) would sync
     for run in rows.runs:
         sub, d = x[run.batch : run.batch + run.length], diff[run.local : run.local + run.length]
         torch.sub(sub, threshold[run.local : run.local + run.length], out=d)

@@ -18,6 +18,7 @@ import torch
 
 from worker.ops.blocks import block_columns, block_reduce, block_size, gather_blocks
 from worker.ops.plan import RowGroup
+from worker.ops.staging import to_device
 
 
 def uniforms(
@@ -42,7 +43,7 @@ def uniforms(
             torch.rand(1, dtype=torch.float64, generator=generators[rows[i]], device=generators[rows[i]].device)
             for i in seeded
         ]
-        index = seeded_index if seeded_index is not None else torch.tensor(seeded, device=device)
+        index = seeded_index if seeded_index is not None else to_device(seeded, torch.int64, device)
         u.index_copy_(0, index, torch.cat([t.to(device) for t in own]))
     return u
 

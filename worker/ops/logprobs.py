@@ -8,6 +8,7 @@ import torch
 
 from worker.ops.plan import RowGroup
 from worker.ops.scratch import Buffer
+from worker.ops.staging import to_device
 
 
 def _wants_logprobs(mode: str) -> bool:
@@ -20,7 +21,7 @@ def to_logprobs_(src: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
     if len(rows) == src.shape[0]:
         torch.log_softmax(src, -1, out=src)
     elif rows:
-        idx = torch.tensor(rows, device=src.device)
+        idx = to_device(rows, torch.int64, src.device)
         src.index_copy_(0, idx, torch.log_softmax(src.index_select(0, idx), -1))
     return src
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from worker.ops.host_sync import host_lists
-from worker.ops.staging import stage
+from worker.ops.staging import to_device
 from worker.sampling_metadata import HostColumns, SamplingMetadata
 
 RAW_MODES = ("raw_logprobs", "raw_logits")
@@ -53,13 +53,8 @@ class RowGroup:
         return len(self.rows)
 
 
-def _on(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host-built tensor on ``device``: pinned and non-blocking on CUDA (no sync)."""
-    return stage(list(values), dtype, torch.device(device), pin=torch.device(device).type == "cuda")
-
-
 def row_group(rows: Sequence[int], device: torch.device) -> RowGroup:
-    return RowGroup(tuple(rows), _on(rows, torch.int64, device), runs_of(rows))
+    return RowGroup(tuple(rows), to_device(rows, torch.int64, device), runs_of(rows))
 
 
 @dataclass(frozen=True)
@@ -135,15 +130,15 @@ def build_plan(md: SamplingMetadata, vocab_size: int, device: torch.device) -> S
         greedy=row_group([i for i in range(b) if greedy[i]], device),
         random=row_group(rnd, device),
         topk=row_group(topk_rows, device),
-        topk_k=_on([top_k[i] for i in topk_rows], torch.int64, device),
+        topk_k=to_device([top_k[i] for i in topk_rows], torch.int64, device),
         topk_kmax=max((top_k[i] for i in topk_rows), default=0),
-        topk_p=_on([top_p[i] for i in topk_rows], torch.float64, device),
+        topk_p=to_device([top_p[i] for i in topk_rows], torch.float64, device),
         full=row_group(full_rows, device),
         n_top_p=n_top_p,
-        top_p=_on([top_p[i] for i in full_rows[:n_top_p]], torch.float64, device),
+        top_p=to_device([top_p[i] for i in full_rows[:n_top_p]], torch.float64, device),
         divisor=divisor,
         generators=md.generators,
-        seeded_index=_on([j for j, r in enumerate(random_rows) if r in md.generators], torch.int64, device),
+        seeded_index=to_device([j for j, r in enumerate(random_rows) if r in md.generators], torch.int64, device),
         num_logprobs=md.max_num_logprobs if asking else None,
         raw=row_group(raw, device),
         raw_modes=tuple(modes[i] for i in raw),

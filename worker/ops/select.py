@@ -16,6 +16,7 @@ import torch
 from worker.ops.blocks import block_columns, block_reduce, block_size, gather_blocks, num_blocks
 from worker.ops.host_sync import host_lists
 from worker.ops.plan import RowGroup
+from worker.ops.staging import to_device
 
 
 def row_argmax(
@@ -116,7 +117,7 @@ def resolve_topk(
     """
     vals, ids = vals[:, :kmax].clone(), ids[:, :kmax].clone()
     if ambiguous_rows:
-        loc = torch.tensor(ambiguous_rows, device=x.device)
+        loc = to_device(ambiguous_rows, torch.int64, x.device)
         kth = vals.gather(1, (k - 1)[:, None]).squeeze(1)[loc]
         fv, fi = topk_lowest_ids(x.index_select(0, loc if rows is None else rows[loc]), kth, kmax)
         vals[loc], ids[loc] = fv, fi

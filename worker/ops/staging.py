@@ -34,6 +34,13 @@ def stage(
     return host.to(device)
 
 
+def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host-built tensor on ``device``: pinned and non-blocking on CUDA. ``torch.tensor(
+    values, device=cuda)`` copies from pageable memory and then syncs the stream: the host waits
+    for all the device's queued work."""
+    return stage(list(values), dtype, device, pin=device.type == "cuda")
+
+
 class CopyEvent(Protocol):
     """What a staged copy records and its buffer's reuse waits on (``torch.cuda.Event``)."""
 
