@@ -196,7 +196,7 @@ def test_compiled_flex_keeps_to_a_few_variants_under_churn(
             torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128, 256])
 def test_flex_on_cuda_tiles_kv_by_a_divisor_of_the_block(block_size: int) -> None:
     """flex's Triton kernels need the block mask's KV block (here the cache block) to be a
     multiple of their KV tile, 64 by default on Hopper: at block_size 16 the prompt-chunk kernel
@@ -204,7 +204,7 @@ def test_flex_on_cuda_tiles_kv_by_a_divisor_of_the_block(block_size: int) -> Non
     options = flex_attention.kernel_options(torch.device("cuda"), block_size)
     assert options is not None
     tile = options["BLOCK_N"]
-    assert block_size % tile == 0 and 8 <= tile <= flex_attention.KV_TILE
+    assert block_size % tile == 0 and flex_attention.MIN_TILE <= tile <= flex_attention.KV_TILE
     assert flex_attention.kernel_options(torch.device("cpu"), block_size) is None
 
 
@@ -217,3 +217,6 @@ def test_flex_refused_at_start_up_where_torch_cannot_shrink_the_tile() -> None:
     assert flex_attention.flex_unavailable(cuda, 64, shrinks_tile=False) is None
     assert flex_attention.flex_unavailable(cuda, 16, shrinks_tile=True) is None
     assert flex_attention.flex_unavailable(torch.device("cpu"), 16, shrinks_tile=False) is None
+    small = flex_attention.flex_unavailable(cuda, 8, shrinks_tile=True)  # a tile of 8 cannot be a tl.dot
+    assert small is not None and "block_size 8" in small
+    assert flex_attention.flex_unavailable(torch.device("cpu"), 8) is None

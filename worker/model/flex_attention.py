@@ -58,6 +58,7 @@ Q_TILE = 128
 # the kernel's tile, and here it is the cache block (16 tokens by default), so on CUDA every call
 # asks for a tile that divides the block (vLLM's flex backend does the same).
 KV_TILE = 64
+MIN_TILE = 16  # Triton's tl.dot needs 16 or more along each side of a tile
 
 # Torch before 2.9 skips a decoding-kernel tile larger than the mask's KV block instead of
 # shrinking it (no kernel is left: the first decode step fails); 2.9 shrinks it (as vLLM's flex
@@ -75,6 +76,8 @@ def flex_unavailable(device: torch.device, block_size: int, *, shrinks_tile: boo
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             return "flex_attention on CUDA needs triton, which is not installed"
+        if block_size % MIN_TILE:
+            return f"flex's Triton kernels tile KV by multiples of {MIN_TILE}: block_size {block_size} is not one"
         if not shrinks_tile and block_size % KV_TILE:
             return (
                 f"torch {torch.__version__}'s flex kernels need block_size to be a multiple of {KV_TILE} "
