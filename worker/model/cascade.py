@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
 from worker.model.gather import gather_blocks, head_major
+from worker.ops.staging import to_device
 
 # When cascade pays, measured with ``python -m worker.bench.cascade`` (one layer, 12 heads / 4 KV
 # heads, head_dim 64, 48 own tokens, 2 threads): 2 rows lose even at 768 shared tokens (0.6-0.96x),
@@ -111,7 +113,8 @@ def shared_chunks(
     tables = [list(blocks) for *_, blocks in chunks]
     width_blocks = max(map(len, tables))
     table = torch.tensor([t + [0] * (width_blocks - len(t)) for t in tables], dtype=torch.long)
-    starts = torch.tensor([start for _, _, start, _ in chunks])
+    start_list = [start for _, _, start, _ in chunks]
+    starts = torch.tensor(start_list)
     shared = common_prefix_blocks(table, starts + 1, block_size)  # the prefix ends at or before every start
     prefix = shared * block_size
     if not shared or not cascade_pays(len(chunks), prefix):
@@ -122,11 +125,10 @@ def shared_chunks(
     tokens = [tok + i for tok, n, _, _ in chunks for i in range(n)]
     own = table[:, shared:]
     own_len = max(start + n for _, n, start, _ in chunks) - prefix
-    flat = torch.tensor(
-        index + valid + tokens + own.reshape(-1).tolist() + table[0, :shared].tolist(), dtype=torch.long
-    ).to(device, non_blocking=True)
-    t_index, t_valid, t_tokens, t_own, t_prefix = flat.split([len(index), len(valid), len(tokens), own.numel(), shared])
-    queries = starts.to(device)[:, None] + torch.arange(width, device=device)[None, :]  # [C, width] KV positions
+    parts = [index, valid, tokens, own.reshape(-1).tolist(), table[0, :shared].tolist(), start_list]
+    flat = to_device(list(chain.from_iterable(parts)), torch.long, device)  # one copy, pinned: no sync
+    t_index, t_valid, t_tokens, t_own, t_prefix, t_starts = flat.split([len(p) for p in parts])
+    queries = t_starts[:, None] + torch.arange(width, device=device)[None, :]  # [C, width] KV positions
     keys = prefix + torch.arange(own_len, device=device)
     mask = keys[None, None, :] <= queries[:, :, None]
     return SharedChunks(

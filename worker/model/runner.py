@@ -48,7 +48,7 @@ from worker.model.fusion import fuse_layers
 from worker.model.gather import head_major
 from worker.model.loader import LoadedModel
 from worker.model.static_decode import CaptureReport, StaticDecode, resolve_mode
-from worker.ops.staging import int64_tensor
+from worker.ops.staging import int64_tensor, stage
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class ModelRunner:
         shared = self._shared_blocks(dec_rows, leading, dec_lens, width)
         lists = (ids, pos, slots, keep, dec_index, dec_lens, [] if leading else dec_rows)
         flat = int64_tensor(list(chain.from_iterable(lists)))
-        flat = flat.to(self._device, non_blocking=True)
+        flat = stage(flat, torch.int64, self._device, pin=self._copied is not None)  # pinned on CUDA: no sync
         t_ids, t_pos, t_slots, t_keep, t_dec_index, t_dec_lens, t_dec_rows = flat.split([len(part) for part in lists])
         tables = self._table_on_device(len(seqs))
 
