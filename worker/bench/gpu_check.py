@@ -366,6 +366,24 @@ def _profile_steps(device: torch.device, step: Callable[[], object], steps: int)
         return StepProfile(None, None)
 
 
+def _other_syncs(device: torch.device, step: Callable[[], object]) -> int | None:
+    """Host syncs in one steady-state step besides its one read (``to_host`` lifts the mode for
+    that copy): what ``torch.cuda.set_sync_debug_mode("warn")`` reports. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def decode_rate(
     plan: Plan, engine: LLMEngine, loaded: LoadedModel, batch: int, bytes_per_s: float, variant: str
 ) -> Row:
@@ -376,7 +394,7 @@ def decode_rate(
     from worker.sampling_params import SamplingParams
 
     device = loaded.device
-    steps = plan.warm_steps + plan.timed_steps + plan.profiled_steps
+    steps = plan.warm_steps + plan.timed_steps + plan.profiled_steps + 1  # + the sync-counting step
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     ids = [
         engine.add_request(f"d{batch}-{i}", p, params)
@@ -395,6 +413,7 @@ def decode_rate(
     step_ms = (time.perf_counter() - t0) * 1e3 / plan.timed_steps
     reads = (total_host_reads() - reads0) / plan.timed_steps
     prof = _profile_steps(device, engine.step, plan.profiled_steps)
+    syncs = _other_syncs(device, engine.step)
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished():
@@ -411,6 +430,8 @@ def decode_rate(
         host = f"host {max(0.0, step_ms - prof.busy_ms):.1f} ms (GPU busy {prof.busy_ms:.1f})"
     kernels = "n/a" if prof.kernels is None else str(prof.kernels)
     detail = f"step {step_ms:.1f} ms, {host}, {reads:g} host reads/step, {kernels} kernels/step"
+    if syncs is not None:
+        detail += f", {syncs} other syncs/step"
     detail += f", floor {floor_ms:.2f} ms: {floor_ms / step_ms:.2f} of the floor"
     check = f"decode batch {batch} ({plan.context} context), {variant}"
     return Row(check, f"{batch * 1e3 / step_ms:,.0f} tok/s", detail)
