@@ -226,15 +226,26 @@ def cmd_scale(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise CliError(f"replicas: must be >= 1, got {args.replicas}")
     data = session.join(_session_path(args))
-    cfg = LogitpoolConfig.model_validate(data["config"]).with_overrides(
-        **{"workers.num_replicas": args.replicas, "workers.autoscaling": None}
-    )
+    cfg = scaled_config(LogitpoolConfig.model_validate(data["config"]), args.replicas)
     host = "127.0.0.1" if cfg.server.host in ("0.0.0.0", "::") else cfg.server.host
     deploy(cfg, serving=lambda: healthy(host, cfg.server.http_port))
     data["config"] = cfg.model_dump(mode="json", exclude={"api_keys"})
     session.update(_session_path(args), data)
     print(f"{cfg.app_name}: {args.replicas} worker replica(s)")
     return 0
+
+
+def scaled_config(running: LogitpoolConfig, replicas: int) -> LogitpoolConfig:
+    """The running pool's config at ``replicas`` fixed worker replicas. An unset routing policy
+    defaults by the pool's size, and a change of policy redeploys every worker (they publish
+    their cached blocks only under cache-aware routing): scaling down keeps cache-aware routing,
+    so it stops replicas and restarts none. Scaling up from one replica still switches it on."""
+    from cluster.deploy.serve_config import routing_policy
+
+    overrides: dict[str, Any] = {"workers.num_replicas": replicas, "workers.autoscaling": None}
+    if running.routing.policy is None and routing_policy(running) == "cache_aware":
+        overrides["routing.policy"] = "cache_aware"
+    return running.with_overrides(**overrides)
 
 
 def _first_env_key() -> str | None:

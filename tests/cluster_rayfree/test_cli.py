@@ -107,3 +107,23 @@ def test_generate_into_a_closed_pipe_ends_quietly():
     assert first
     assert err == "", err
     assert rc == 141  # 128 + SIGPIPE, as a Unix tool whose reader went away
+
+
+def test_scaling_down_keeps_cache_aware_routing_so_no_worker_restarts() -> None:
+    """An unset ``routing.policy`` defaults by the pool's size, and the workers' bind arguments
+    follow it (they publish cached blocks only under cache-aware routing), so Serve redeploys
+    every worker when it flips: ``logitpool scale 1`` on a pool of three restarted all of them
+    (about 25 s measured). Scaling down now keeps the policy; an explicit one is kept as set."""
+    from cluster.cli.main import scaled_config
+    from cluster.config import LogitpoolConfig
+    from cluster.deploy.serve_config import routing_policy
+
+    three = LogitpoolConfig.model_validate({"workers": {"num_replicas": 3}})
+    assert routing_policy(three) == "cache_aware"
+    one = scaled_config(three, 1)
+    assert one.workers.num_replicas == 1 and routing_policy(one) == "cache_aware"
+    assert one.routing.max_published_blocks == three.routing.max_published_blocks
+    up = scaled_config(LogitpoolConfig(), 3)  # from one replica: the default for three
+    assert up.workers.num_replicas == 3 and routing_policy(up) == "cache_aware"
+    chosen = {"workers": {"num_replicas": 3}, "routing": {"policy": "power_of_two"}}
+    assert routing_policy(scaled_config(LogitpoolConfig.model_validate(chosen), 1)) == "power_of_two"
