@@ -105,7 +105,8 @@ RECOMPILE_LIMIT = 16
 def compiled_flex(backend: str) -> FlexFn:
     """flex_attention under ``torch.compile`` with ``backend`` (Inductor: the Triton kernels)."""
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its older name
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
     return cast(FlexFn, torch.compile(flex_attention, dynamic=True, backend=backend))
 
 
