@@ -87,6 +87,12 @@ class Plan:
     profiled_steps: int  # steps under torch.profiler (GPU busy time), 0 on CPU
     copy_bytes: int  # of the bandwidth probe's buffer
 
+    @property
+    def decode_steps(self) -> int:
+        """Steps each decode-rate request runs past its prefill: warm-up, timed, profiled, and
+        the one whose syncs are counted."""
+        return self.warm_steps + self.timed_steps + self.profiled_steps + 1
+
 
 FULL = Plan(
     big=LLAMA_8B,
@@ -394,8 +400,7 @@ def decode_rate(
     from worker.sampling_params import SamplingParams
 
     device = loaded.device
-    steps = plan.warm_steps + plan.timed_steps + plan.profiled_steps + 1  # + the sync-counting step
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=plan.decode_steps + 2, ignore_eos=True)
     ids = [
         engine.add_request(f"d{batch}-{i}", p, params)
         for i, p in enumerate(_prompts(batch, plan.context, plan.big.vocab, 5))
@@ -454,9 +459,8 @@ def _decode_variant(
     plan: Plan, loaded: LoadedModel, variant: str, fields: dict[str, object], bytes_per_s: float, *, pool_row: bool
 ) -> list[Row]:
     """One decode engine's rows: its start-up (and the KV pool it sized), then each batch's rate."""
-    steps = plan.warm_steps + plan.timed_steps + plan.profiled_steps
     t0 = time.perf_counter()
-    engine = _engine(loaded, max(plan.batches), plan.context + steps + 8, pool_tokens=None, **fields)
+    engine = _engine(loaded, max(plan.batches), plan.context + plan.decode_steps + 8, pool_tokens=None, **fields)
     started = time.perf_counter() - t0
     rows = []
     if pool_row:

@@ -80,8 +80,9 @@ def fuse_layers(model: nn.Module, *, mlp_devices: frozenset[str] = FUSED_MLP_DEV
         if _same_code(cls_forward, norm_code) and isinstance(weight, torch.Tensor) and weight.device.type == "cuda":
             _set_forward(module, _rms_norm(module))
             norms += 1
-        elif _same_code(cls_forward, mlp_code) and _fuse_gate_up(module, mlp_devices):
-            mlps += 1
+        elif _same_code(cls_forward, mlp_code):
+            if _fuse_gate_up(module, mlp_devices):
+                mlps += 1
         elif _fuse_qkv(module):
             qkv += 1
     return FusionCounts(norms, mlps, qkv)
