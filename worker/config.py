@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from worker.sampling_params import ALL_LOGPROBS, DEFAULT_MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    import torch
 
 # worker.fairness implements them.
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
@@ -106,6 +109,11 @@ class EngineConfig:
     # start-up and replayed. None = on for CUDA devices (one rank), off elsewhere; True on CPU runs
     # the same padded path eagerly (what CI tests).
     cuda_graphs: bool | None = None
+    # Launch step t+1 before reading step t's sampled tokens (they feed t+1 on the device), so the
+    # host schedules and prepares a step while the device runs the last one (LLMEngine's
+    # _step_overlapped). The same tokens; a row that ends on a token is computed once more.
+    # None = on for CUDA with one rank, off elsewhere (on CPU host and device are the same cores).
+    async_scheduling: bool | None = None
     # Ranks the model is sharded over (worker.executor.tensor_parallel): rank 0 is the engine's
     # process and keeps the scheduler, batch, processors and sampler; the others are processes it
     # starts. Each collective (and each rank's start) fails after collective_timeout_s seconds.
@@ -164,7 +172,16 @@ class EngineConfig:
             raise ValueError(f"stream_buffer_outputs: must be >= 2, got {self.stream_buffer_outputs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:  # the ranks take host token ids
+            raise ValueError("async_scheduling: not with tensor_parallel_size > 1 (leave it unset or false)")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s: must be > 0, got {self.collective_timeout_s}")
         if self.max_logprobs < ALL_LOGPROBS:
             raise ValueError(f"max_logprobs: must be >= 0, or -1 for no cap, got {self.max_logprobs}")
+
+
+def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """``config.async_scheduling``, its None resolved: on for CUDA with one rank."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    return device.type == "cuda" and config.tensor_parallel_size == 1

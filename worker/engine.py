@@ -23,10 +23,18 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.batch import PersistentBatch, seeded_generator
-from worker.config import EngineConfig
+from worker.config import EngineConfig, resolve_async_scheduling
 from worker.detokenizer import IncrementalDetokenizer, rust_tokenizer
 from worker.executor.executor import Executor
-from worker.executor.output import ExecutorError, Failure, ModelRunnerOutput, phase_error
+from worker.executor.output import (
+    ExecutorError,
+    Failure,
+    LaunchedStep,
+    ModelRunnerOutput,
+    PendingRows,
+    SampledRows,
+    phase_error,
+)
 from worker.executor.tensor_parallel import TensorParallelGroup, step_capacity
 from worker.kv.manager import KVCacheManager
 from worker.logits_processor.registry import LogitsProcessors
@@ -38,7 +46,7 @@ from worker.ops.host_sync import as_lists, host_lists
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.ops.staging import stage
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
-from worker.request import Request, Scheduling
+from worker.request import PLACEHOLDER, Request, Scheduling
 from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
 from worker.sampling_params import SamplingParams
 from worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -70,6 +78,15 @@ class _Parent:
     def awaiting_prompt_logprobs(self) -> bool:
         """Outputs wait for the prompt logprobs, unless the sequence computing them has ended."""
         return self.prompt_logprobs_missing > 0 and not self.children[0].finished
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are not read yet (async scheduling)."""
+
+    out: ModelRunnerOutput
+    rows: PendingRows | None  # None: nothing sampled (prompt chunks only)
+    dropped: frozenset[str] = frozenset()  # rows done again next step: their tokens here are not kept
 
 
 class LLMEngine:
@@ -130,8 +147,10 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             kv=self.kv,
             policy=config.scheduling_policy,
+            max_model_len=self.max_model_len,
         )
         self.executor = Executor(config, runner, self.device, self.generator)
+        self.async_scheduling = resolve_async_scheduling(config, self.device)
         self._refresh_validator()
 
     def _runner(
@@ -168,6 +187,10 @@ class LLMEngine:
         # Requests answered without admission (duplicate ids), handed out with the next outputs.
         self._rejected: list[RequestOutput] = []
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        # Async scheduling: the step launched but not read yet; rows the next step does again.
+        self._in_flight: _InFlight | None = None
+        self._redo_ids: set[str] = set()
+        self.num_redone_rows = 0  # rows a step was fed a token the exact pass then changed
         self.num_steps = 0
         # Terminal outcomes of sequences, by finish reason; batch-state rebuilds after a failure.
         self.finish_counts: collections.Counter[str] = collections.Counter()
@@ -307,8 +330,9 @@ class LLMEngine:
         return bool(self._parents) or not self._inbox.empty()
 
     def has_work(self) -> bool:
-        """Whether a step would do anything: unfinished requests that are not all paused."""
-        return self.scheduler.has_work() or not self._inbox.empty()
+        """Whether a step would do anything: unfinished requests that are not all paused, or a
+        step still to read (async scheduling)."""
+        return self.scheduler.has_work() or not self._inbox.empty() or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -397,10 +421,88 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         self._drain_inbox()
+        if self.async_scheduling:
+            return self._step_overlapped()
         sched = self._schedule()
         if sched is not None:
             self._update_from_output(sched, self._execute(sched))
         return self._collect_outputs()
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Async scheduling: step t+1 is scheduled and launched before step t's tokens are read.
+
+        A row whose token is still on the device is scheduled with a placeholder that the runner
+        feeds from the device; a row finishing with that token is computed once more, and its
+        extra token dropped. Processors see what they see in a synchronous step: step t is read
+        (tokens appended) before step t+1's sampler runs their ``apply``. A top-k / top-p row
+        whose token the exact pass after the read changed was fed the first draw: its step t+1
+        is dropped and done again (``_redo``), so every token is the synchronous engine's.
+        """
+        sched = self._schedule()
+        step = self._launch(sched) if sched is not None else None
+        if self._in_flight is not None:
+            self._read_in_flight(step)
+        if step is not None:
+            self._start_sampling(step)
+        return self._collect_outputs()
+
+    def _launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        last = self._in_flight.rows if self._in_flight is not None else None
+        try:
+            step = self.executor.launch(sched, last)
+        except ExecutorError as exc:
+            self._update_from_launch(sched, exc.partial)
+            raise exc.cause from exc
+        self._update_from_launch(sched, step.out)
+        return step
+
+    def _start_sampling(self, step: LaunchedStep) -> None:
+        redo, self._redo_ids = self._redo_ids, set()
+        # A row done again must draw what it would have: its generator as before this call.
+        states = [(r.generator, r.generator.get_state()) for r in _requests(step.rows, redo) if r.generator]
+        try:
+            pending = self.executor.start_sampling(step)
+        except ExecutorError as exc:
+            self._apply_failures(exc.partial.sample_failures)
+            raise exc.cause from exc
+        finally:
+            for gen, state in states:
+                gen.set_state(state)
+        self._apply_failures(step.out.sample_failures)  # now: a rebuilt batch is the next step's
+        step.out.sample_failures.clear()
+        if pending is None and step.out.prompt_logits is None:
+            return  # nothing was sampled or computed that is still to read
+        for c in pending.rows if pending is not None else ():
+            if c.request.request_id not in redo:
+                c.request.num_placeholders += 1
+        self._in_flight = _InFlight(step.out, pending, frozenset(redo))
+
+    def _read_in_flight(self, launched: LaunchedStep | None) -> None:
+        """Read the step in flight; ``launched``: the step just launched from its tokens."""
+        flight, self._in_flight = self._in_flight, None
+        assert flight is not None
+        out, sampled = flight.out, None
+        if flight.rows is not None:
+            for c in flight.rows.rows:
+                if c.request.request_id not in flight.dropped:
+                    c.request.num_placeholders -= 1
+            sampled = self.executor.finish_sampling(flight.rows, out.sample_failures)
+        if sampled is not None and sampled.output.redrawn and launched is not None:
+            self._redo(sampled, launched)
+        self._update_from_samples(out, sampled, skip=flight.dropped)
+        for c in sampled.rows if sampled is not None else ():
+            self.kv.register_full_blocks(c.request)  # blocks whose last token was on the device
+
+    def _redo(self, sampled: SampledRows, launched: LaunchedStep) -> None:
+        """Rows ``launched`` was fed a token the exact pass then changed: their KV at that position
+        is computed again next step, and what ``launched`` samples for them is dropped."""
+        fed = {c.request.request_id for c in launched.rows if c.token_ids == [PLACEHOLDER]}
+        for row in sampled.output.redrawn:
+            req = sampled.rows[row].request
+            if req.request_id in fed:
+                req.num_computed_tokens -= 1
+                self._redo_ids.add(req.request_id)
+                self.num_redone_rows += 1
 
     def _schedule(self) -> SchedulerOutput | None:
         try:
@@ -421,6 +523,11 @@ class LLMEngine:
     def _update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         """Apply the executor's step, in the order it happened: joined rows, failures, KV written,
         sampled tokens, prompt logprobs."""
+        self._update_from_launch(sched, out)
+        self._update_from_samples(out, out.sampled)
+
+    def _update_from_launch(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """The step's batch update and forward: joined rows, their failures, KV written."""
         if out.batch_updated:
             now = time.monotonic()
             for req in sched.joining:
@@ -435,9 +542,15 @@ class LLMEngine:
             self.kv.register_full_blocks(c.request)
         if out.computed:
             self.num_steps += 1
+
+    def _update_from_samples(
+        self, out: ModelRunnerOutput, sampled: SampledRows | None, skip: frozenset[str] = frozenset()
+    ) -> None:
+        """The step's sampler and what the forward gave besides: failures, tokens (but ``skip``'s:
+        rows done again), prompt logprobs."""
         self._apply_failures(out.sample_failures)
-        if out.sampled is not None:
-            self._append_samples(out.sampled.rows, out.sampled.output)
+        if sampled is not None:
+            self._append_samples(sampled.rows, sampled.output, skip)
         if out.prompt_logits is not None:
             self._record_prompt_logprobs(out.prompt_logits.chunks, out.prompt_logits.logits)
 
@@ -445,8 +558,9 @@ class LLMEngine:
         for failure in failures:
             for req in failure.requests:
                 self._finish(req, FinishReason.ERROR, error=failure.error)
-            if failure.rebuilt:  # the executor rebuilt its batch: nothing is left to remove from it
-                self.scheduler.forget_batch()
+            if failure.rebuilt:  # the executor rebuilt its batch: only its rows can still leave it
+                # (async scheduling: rows that finished when the last step was read)
+                self.scheduler.forget_batch(r.request_id for r in self.executor.batch_requests() if not r.in_batch)
                 self._refresh_validator()
                 self.num_restarts += 1
 
@@ -483,13 +597,15 @@ class LLMEngine:
         if parent.prompt_logprobs_missing == 0:
             parent.children[0].computes_prompt_logprobs = False
 
-    def _append_samples(self, rows: list[ScheduledChunk], out: SamplerOutput) -> None:
+    def _append_samples(self, rows: list[ScheduledChunk], out: SamplerOutput, skip: frozenset[str]) -> None:
         # The sampler's output is on the host already (its one read of the step): lists, no read.
         tokens, errors = as_lists(out.sampled_token_ids, out.errors)
         lp = out.logprobs
         lp_lists = as_lists(lp.token_ids, lp.logprobs, lp.ranks) if lp is not None else None
         for row, chunk in enumerate(rows):
             req = chunk.request
+            if req.finished or req.request_id in skip:  # async scheduling: ended while it ran, or redone
+                continue
             if errors[row]:
                 self._finish(req, FinishReason.ERROR, error=out.error_messages.get(row, NO_FINITE_LOGIT))
                 continue
@@ -536,7 +652,7 @@ class LLMEngine:
         stop_str = req.detokenizer.update(tok, check_stop=past_min)
         if stop_str is not None:
             self._finish(req, FinishReason.STOP, stop_reason=stop_str)
-        elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif req.ends_by_length(self.max_model_len):
             self._finish(req, FinishReason.LENGTH)
 
     def _finish(
@@ -567,6 +683,7 @@ class LLMEngine:
         for parent in list(self._parents.values()):
             for child in parent.children:
                 self._finish(child, FinishReason.ERROR, error=error)
+        self._in_flight, self._redo_ids = None, set()  # their rows have just ended
         self._rebuild()
 
     # -- outputs out ---------------------------------------------------------------------
@@ -624,6 +741,10 @@ class LLMEngine:
         req.new_token_ids = []
         req.new_logprobs = []
         return delta
+
+
+def _requests(chunks: list[ScheduledChunk], ids: set[str]) -> list[Request]:
+    return [c.request for c in chunks if c.request.request_id in ids] if ids else []
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

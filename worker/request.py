@@ -12,6 +12,9 @@ from worker.kv.prefix_cache import BlockHash
 from worker.outputs import FinishReason, PositionLogprobs
 from worker.sampling_params import SamplingParams
 
+# The id a scheduled token has while it is still on the device (async scheduling).
+PLACEHOLDER = -1
+
 
 @dataclass(frozen=True)
 class Scheduling:
@@ -35,6 +38,9 @@ class Request:
     detokenizer: IncrementalDetokenizer
     # The live output list: processors hold a reference to this very object.
     output_token_ids: list[int] = field(default_factory=list)
+    # Sampled tokens still on the device (async scheduling: the step that sampled them is read
+    # after the next one is launched). Counted in num_tokens, not yet in output_token_ids.
+    num_placeholders: int = 0
     # Tokens whose KV is written.
     num_computed_tokens: int = 0
     # KV blocks holding this sequence's tokens, in order (worker.kv.manager owns these three).
@@ -82,16 +88,34 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens, the ones still on the device (placeholders) included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output tokens whose ids the host has."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence;
+        PLACEHOLDER where a token is still on the device (the runner feeds it from there)."""
         p = len(self.prompt_token_ids)
+        missing = max(0, end - max(start, self.num_known_tokens))
+        end -= missing
         if end <= p:
-            return self.prompt_token_ids[start:end]
-        if start >= p:
-            return self.output_token_ids[start - p : end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+            known = self.prompt_token_ids[start:end]
+        elif start >= p:
+            known = self.output_token_ids[start - p : end - p]
+        else:
+            known = self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+        return known + [PLACEHOLDER] * missing if missing else known
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Whether its tokens so far (placeholders included) end it by length (max_tokens, or
+        the context): no further token is computed for it."""
+        return len(self.output_token_ids) + self.num_placeholders >= self.params.max_tokens or (
+            self.num_tokens >= max_model_len
+        )
 
     @property
     def finished(self) -> bool:

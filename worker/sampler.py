@@ -25,7 +25,8 @@ other token -inf, so greedy takes the lowest such id and a draw is uniform among
 holding NaN fails. A row left with no finite logit (or NaN) gets ``errors[row] = True``, token -1
 and a message in ``error_messages``; the others are not affected.
 
-Host reads (docs/sampling.md "Host reads"): every one goes through ``ops.host_sync.to_host``. In
+Host reads (docs/sampling.md "Host reads"): every one goes through ``ops.host_sync`` (issued
+with ``start_to_host`` when step 8 is done, waited for by ``PendingSample.result``). In
 the steady state the call reads ONCE: the tokens, the failure flags, the logprobs and the flags
 of the rare rows in one transfer; ``SamplerOutput`` is on the host. The rare rows (a top-k draw
 landing on a tie at the k-th place, a logprob top-K tie, processed logprobs modes, a top-p
@@ -46,7 +47,7 @@ from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import LogitsProcessor
 from worker.ops.blocks import block_reduce, block_size
 from worker.ops.draw import draw_rows, draw_weights, row_block_sums, row_total, softmax_rows, uniforms
-from worker.ops.host_sync import as_lists, host_lists, to_host
+from worker.ops.host_sync import HostCopy, as_lists, host_lists, start_to_host
 from worker.ops.logprobs import logprob_rows, sampled_logprob_and_rank, to_logprobs_
 from worker.ops.non_finite import NonFinite, non_finite_rows, resolve_non_finite_
 from worker.ops.plan import RowGroup, SamplingPlan, build_plan
@@ -101,6 +102,30 @@ class SamplerOutput:
     # Why error rows failed (host side): NaN and its source, or every token excluded. A failed row
     # missing here had every token excluded (NO_FINITE_LOGIT).
     error_messages: dict[int, str] = field(default_factory=dict)
+    # Rows whose token the exact pass changed after the first read: ``PendingSample.tokens`` had
+    # the first one (async scheduling fed it to the next step, which redoes those rows).
+    redrawn: tuple[int, ...] = ()
+
+
+class PendingSample:
+    """A sampler call between its device work and its host read (``Sampler.start``)."""
+
+    def __init__(
+        self, sampler: Sampler, call: _Call, read: _PendingRead, pristine: torch.Tensor | None, md: SamplingMetadata
+    ) -> None:
+        self._sampler, self._call, self._read, self._pristine, self._md = sampler, call, read, pristine, md
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[B] int64 on the device, -1 on failed rows: the next step's inputs. The exact pass after
+        the read may still change a top-k / top-p row's token (``SamplerOutput.redrawn``)."""
+        return self._read.tokens
+
+    def result(self, *, trace_nan: bool = True) -> SamplerOutput:
+        """The read (it waits for this call's copy alone) and the rare rows' exact pass.
+        ``trace_nan`` replays the processors to name the source of a NaN: only right after
+        ``start`` (their state is this call's)."""
+        return self._sampler._finish(self._call, self._read, self._pristine, self._md, trace_nan=trace_nan)
 
 
 @dataclass
@@ -308,6 +333,24 @@ class _Read:
         return bool(len(plan.processed) or any(self.topk_redo) or any(self.missed) or any(self.raw_tied))
 
 
+@dataclass(frozen=True)
+class _PendingRead:
+    """A read issued after step 8: ``tokens`` on the device now, the host copy once waited for."""
+
+    tokens: torch.Tensor  # [B] int64 on the device, -1 on failed rows
+    copy: HostCopy
+    num_results: int  # tokens, errors (and the three logprobs tensors)
+    has_logprobs: bool
+    flags: tuple[str, ...]
+
+    def wait(self) -> _Read:
+        host = self.copy.wait()
+        n = self.num_results
+        lp_host = LogprobsTensors(*host[2:5]) if self.has_logprobs else None
+        lists = dict(zip(self.flags, as_lists(*host[n:])))
+        return _Read(host[0], host[1], lp_host, **lists)
+
+
 def _apply(p: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
     try:
         out = p.apply(logits)
@@ -358,6 +401,13 @@ class Sampler:
         untouched copy, when the caller keeps one) lets a NaN be traced to the processor that made it.
         The output is on the host (see the module docstring for its reads).
         """
+        return self.start(logits, metadata, pristine=pristine).result()
+
+    def start(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, *, pristine: torch.Tensor | None = None
+    ) -> PendingSample:
+        """Steps 1-7 on the device, no read yet: ``result()`` makes the call's read (async
+        scheduling launches the next step in between). Processors run here, not in ``result``."""
         call = self._start(logits, metadata)  # 2
         if pristine is None and call.x is not logits:
             pristine = logits
@@ -368,13 +418,26 @@ class Sampler:
         if not call.plan.all_greedy:
             self._temperature_and_invariant(call)  # 7a-7b
             self._top_k_top_p_and_draw(call)  # 7c-7d
-        read = self._read(call, first=True)  # 8, and the step's one host read
+        return PendingSample(self, call, self._read(call, first=True), pristine, metadata)  # 8, read issued
+
+    def _finish(
+        self,
+        call: _Call,
+        first_read: _PendingRead,
+        pristine: torch.Tensor | None,
+        metadata: SamplingMetadata,
+        *,
+        trace_nan: bool,
+    ) -> SamplerOutput:
+        read = first_read.wait()  # the step's one host read
+        redrawn: tuple[int, ...] = ()
         if read.needs_exact_pass(call.plan):
             self._exact_pass(call, read)
-            read = replace(self._read(call, first=False), nan=read.nan)
-        return SamplerOutput(
-            read.tokens, read.logprobs, read.errors, self._error_messages(call, pristine, metadata, read)
-        )  # 9
+            first, read = read, replace(self._read(call, first=False).wait(), nan=read.nan)
+            (changed,) = as_lists((read.tokens != first.tokens).nonzero().flatten())
+            redrawn = tuple(changed)
+        errors = self._error_messages(call, pristine if trace_nan else None, metadata, read)
+        return SamplerOutput(read.tokens, read.logprobs, read.errors, errors, redrawn)  # 9
 
     def _start(self, logits: torch.Tensor, metadata: SamplingMetadata) -> _Call:
         plan = self._plan_for(metadata, logits)
@@ -469,9 +532,9 @@ class Sampler:
         ok = call.ok & ~call.nf.nan
         return torch.where(ok, call.tokens, -1), ~ok
 
-    def _read(self, call: _Call, *, first: bool) -> _Read:
-        """Step 8 on the device, then ONE transfer of the tokens, the failure flags, the
-        logprobs and (``first``) the flags that decide the exact pass."""
+    def _read(self, call: _Call, *, first: bool) -> _PendingRead:
+        """Step 8 on the device, then ONE transfer (issued, not waited for) of the tokens, the
+        failure flags, the logprobs and (``first``) the flags that decide the exact pass."""
         assert call.nf is not None
         tokens, errors = self._final_tokens(call)
         lp = self._logprobs(call, tokens, exact=not first)
@@ -489,11 +552,8 @@ class Sampler:
                 flags["hits"], flags["valid"], flags["missed"] = call.full.hit, call.full.valid, call.full.missed
             if call.raw is not None and call.raw.topk is not None:
                 flags["raw_tied"] = call.raw.topk.tied
-        host = to_host(*tensors, *flags.values(), label="sampler" if first else "sampler exact pass")
-        n = len(tensors)
-        lp_host = LogprobsTensors(*host[2:5]) if lp is not None else None
-        lists = dict(zip(flags, as_lists(*host[n:])))
-        return _Read(host[0], host[1], lp_host, **lists)
+        copy = start_to_host(*tensors, *flags.values(), label="sampler" if first else "sampler exact pass")
+        return _PendingRead(tokens, copy, len(tensors), lp is not None, tuple(flags))
 
     def _exact_pass(self, call: _Call, read: _Read) -> None:
         """The rare rows, exactly, after the first read: top-k rows whose draw met a tie, top-p rows

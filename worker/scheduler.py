@@ -22,6 +22,8 @@ first to go when blocks run short) and rejoins, with no recompute, when resumed 
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from worker import fairness
@@ -66,10 +68,18 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, *, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager, policy: SchedulingPolicy = "fair"
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy = "fair",
+        max_model_len: int = sys.maxsize,
     ) -> None:
-        """The limits and policy of an `EngineConfig`, which validated them."""
+        """The limits and policy of an `EngineConfig`, which validated them (``max_model_len``:
+        the engine's, for rows whose token still on the device ends them by length)."""
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
         self.policy = policy
@@ -148,9 +158,10 @@ class Scheduler:
         self.paused.remove(request)
         self.waiting.appendleft(request)
 
-    def forget_batch(self) -> None:
-        """The persistent batch was rebuilt empty: nothing is left to remove from it."""
-        self._leaving = []
+    def forget_batch(self, leaving: Iterable[str] = ()) -> None:
+        """The persistent batch was rebuilt: of the removals pending, only ``leaving`` (rows of
+        the rebuilt batch) are left to make."""
+        self._leaving = list(leaving)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -162,12 +173,18 @@ class Scheduler:
         shares = Shares.of(self.running, self.waiting, self.max_num_seqs) if self.policy == "fair" else None
         self._shares = shares
         for req in list(self.running):
-            if req.in_batch and req in self.running and self._reserve(req, 1, out):
+            if not (req.in_batch and req in self.running):
+                continue
+            if req.num_placeholders and req.ends_by_length(self.max_model_len):
+                # Its token still on the device is its last: the row leaves now, it finishes when read.
+                out.finished_ids.append(req.request_id)
+                req.in_batch = False
+            elif self._reserve(req, 1, out):
                 self._put(out, req, 1)
         for req in list(self.running):
             if self._budget <= 0:
                 break
-            if not req.in_batch and req in self.running:
+            if not req.in_batch and req in self.running and not req.num_placeholders:
                 n = min(req.num_pending_tokens, self._budget)
                 if self._reserve(req, n, out):
                     self._put(out, req, n)
@@ -308,6 +325,9 @@ class Scheduler:
         out.preempted.append(req)
 
     def _put(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        if req.num_placeholders and not (n == 1 and req.in_batch):
+            # Only a batch row's next token may still be on the device (the runner feeds it there).
+            raise RuntimeError(f"{req.request_id}: {n} tokens scheduled while {req.num_placeholders} are unread")
         start = req.num_computed_tokens
         last = start + n == req.num_tokens
         out.chunks[req.request_id] = ScheduledChunk(req, req.token_slice(start, start + n), start, sample=last)

@@ -178,6 +178,7 @@ def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
         "attention_backend": "flex",
         "fused_layers": False,
         "cuda_graphs": True,
+        "async_scheduling": False,
         "stream_buffer_outputs": 8,
         "engine_process": False,
         "tensor_parallel_size": 2,

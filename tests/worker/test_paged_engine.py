@@ -39,10 +39,12 @@ def _run(
     requests: list[tuple[list[int], SamplingParams]],
     stagger: int = 0,
     check_delta: Callable[[RequestOutput, bool], None] | None = None,
+    abort: dict[int, int] | None = None,
 ) -> dict[str, RequestOutput]:
     """Add the requests (every ``stagger`` steps one, or all at once), step to the end; outputs by id.
 
     ``check_delta(delta, first)`` sees every delta, and whether it is its request's first.
+    ``abort``: request index -> the step at which it is aborted.
     """
     accs: dict[str, OutputAccumulator] = {}
     done: dict[str, RequestOutput] = {}
@@ -55,6 +57,9 @@ def _run(
             accs[engine.add_request(f"r{i}", prompt, params)] = OutputAccumulator()
             if stagger:
                 break
+        for i, at in (abort or {}).items():
+            if at == steps:
+                engine.abort_request(f"r{i}")
         for delta in engine.step():
             if check_delta is not None:
                 check_delta(delta, delta.request_id not in seen)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -71,9 +72,9 @@ LARK = 'start: WORD ("," WORD)~0..2 "."\nWORD: /[a-z]{1,6}/'
 LARK_TEXT = re.compile(r"[a-z]{1,6}(,[a-z]{1,6}){0,2}\.")
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    path = build_tiny_model(
+def one_layer_model_path() -> Path:
+    """The tiny model's one-layer sibling (built once, cached on disk)."""
+    return build_tiny_model(
         default_model_path().parent / "tiny-llama-1layer",
         hidden_size=64,
         num_layers=1,
@@ -81,6 +82,11 @@ def llm() -> LLM:
         num_kv_heads=1,
         intermediate_size=128,
     )
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    path = one_layer_model_path()
     return LLM(str(path), max_num_seqs=64, dtype="float32", **{"device": "cpu", **suite_engine_kwargs()})
 
 

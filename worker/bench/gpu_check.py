@@ -9,10 +9,11 @@ the device in bfloat16 and prints one table:
 - seeded sampling gives the same tokens in two fresh engines,
 - the KV pool the engine sized itself (``worker.model.memory``: a share of the total memory),
 - each decode engine's start-up (profile, KV pool, graph capture) in seconds,
-- decode tokens/s at batch 1 / 32 / 256 (1k-token contexts, greedy) with CUDA graphs on, off,
-  and off with the flex backend; the step's host ms (wall time less the GPU's busy time: what
-  the GPU waits on the host), host reads and kernels per step, and the memory floor (weights +
-  the KV a step reads, over the bandwidth measured by a device copy) as a ratio of the step.
+- decode tokens/s at batch 1 / 32 / 256 (1k-token contexts, greedy) with CUDA graphs on (async
+  scheduling on, then off), off, and off with the flex backend; the step's host ms (wall time
+  less the GPU's busy time: what the GPU waits on the host), host reads and kernels per step,
+  and the memory floor (weights + the KV a step reads, over the bandwidth measured by a device
+  copy) as a ratio of the step.
 
 Exit 0 when the correctness rows pass, 1 when one fails, 2 without a CUDA device (one line).
 ``--smoke`` runs the same steps at tiny shapes on CPU (CI runs it: tests/worker/bench).
@@ -41,10 +42,12 @@ if TYPE_CHECKING:
 # What the engine imports beyond torch and transformers; small wheels to carry to a GPU host.
 NEEDED = ("pydantic", "xgrammar", "tokenizers", "numpy", "accelerate")  # accelerate: device_map loads
 BLOCK_SIZE = 16
-# The decode-rate engines, one after another: the padded path as CUDA graphs (on CPU eagerly),
-# the dynamic path with the torch backend, and with flex (opt-in until measured here).
+# The decode-rate engines, one after another: the padded path as CUDA graphs (on CPU eagerly)
+# with async scheduling and without, the dynamic path with the torch backend, and with flex
+# (opt-in until measured here).
 DECODE_VARIANTS: dict[str, dict[str, object]] = {
-    "graphs on": {"cuda_graphs": True},
+    "graphs on": {"cuda_graphs": True, "async_scheduling": True},
+    "graphs on, sync": {"cuda_graphs": True, "async_scheduling": False},  # what the overlap gains
     "graphs off": {"cuda_graphs": False},
     "flex, graphs off": {"cuda_graphs": False, "attention_backend": "flex"},
 }

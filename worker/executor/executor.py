@@ -17,14 +17,23 @@ import torch
 
 from worker.batch import PersistentBatch
 from worker.config import EngineConfig
-from worker.executor.output import ExecutorError, Failure, ModelRunnerOutput, PromptLogits, SampledRows, phase_error
+from worker.executor.output import (
+    ExecutorError,
+    Failure,
+    LaunchedStep,
+    ModelRunnerOutput,
+    PendingRows,
+    PromptLogits,
+    SampledRows,
+    phase_error,
+)
 from worker.logits_processor.errors import ProcessorError
 from worker.logits_processor.interface import BatchUpdate
 from worker.logits_processor.registry import LogitsProcessors, build_logits_processors
-from worker.model.runner import ModelRunner, ScheduledSeq
+from worker.model.runner import ModelRunner, ScheduledSeq, TokenFeed
 from worker.ops.staging import to_device
 from worker.reorder import tail_swaps
-from worker.request import Request
+from worker.request import PLACEHOLDER, Request
 from worker.sampler import Sampler, SamplerOutput
 from worker.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -67,23 +76,58 @@ class Executor:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Update the batch, run the forward over every scheduled chunk, sample the batch rows."""
-        out = ModelRunnerOutput()
+        step = self.launch(sched)
         try:
-            self._run(sched, out)
+            if step.rows and step.logits is not None:
+                sampled = self._sample(step.rows, step.logits[: len(step.rows)], step.out.sample_failures)
+                step.out.sampled = sampled if isinstance(sampled, SampledRows) else None
         except Exception as exc:
-            raise ExecutorError(out, exc) from exc
-        return out
+            raise ExecutorError(step.out, exc) from exc
+        return step.out
 
-    def _run(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        if not self._update_batch(sched, out):
-            return
-        rows = [sched.chunks[rid] for rid in self.batch.req_ids]
-        partial = [c for c in sched.chunks.values() if not c.sample]
-        logits = self._execute(rows, partial, out)
-        if rows and logits is not None:
-            out.sampled = self._sample(rows, logits[: len(rows)], out.sample_failures)
-        if logits is not None and logits.shape[0] > len(rows):
-            out.prompt_logits = PromptLogits(rows + partial, logits[len(rows) :])
+    # -- the step in two halves (async scheduling launches the next step between them) ----------
+
+    def launch(self, sched: SchedulerOutput, last: PendingRows | None = None) -> LaunchedStep:
+        """Update the batch and launch the forward over every scheduled chunk; ``last``: the step
+        whose tokens are still on the device, which feeds the rows scheduled with a placeholder."""
+        step = LaunchedStep(ModelRunnerOutput())
+        try:
+            if not self._update_batch(sched, step.out):
+                return step
+            step.rows = [sched.chunks[rid] for rid in self.batch.req_ids]
+            partial = [c for c in sched.chunks.values() if not c.sample]
+            step.logits = self._execute(step.rows, partial, step.out, last)
+            if step.logits is not None and step.logits.shape[0] > len(step.rows):
+                step.out.prompt_logits = PromptLogits(step.rows + partial, step.logits[len(step.rows) :])
+        except Exception as exc:
+            raise ExecutorError(step.out, exc) from exc
+        return step
+
+    def start_sampling(self, step: LaunchedStep) -> PendingRows | None:
+        """The sampler's device work over the launched rows, processors included; no read. A
+        processor failure is isolated as in ``execute_model`` (into ``step.out.sample_failures``)."""
+        if not step.rows or step.logits is None:
+            return None
+        try:
+            pending = self._sample(step.rows, step.logits[: len(step.rows)], step.out.sample_failures, defer=True)
+        except Exception as exc:
+            raise ExecutorError(step.out, exc) from exc
+        return pending if isinstance(pending, PendingRows) else None
+
+    @staticmethod
+    def finish_sampling(pending: PendingRows, failures: list[Failure]) -> SampledRows | None:
+        """The read of a started sampler call. The batch has moved on since (the next step was
+        launched), so a failure here fails these rows and rebuilds nothing; and a NaN is not
+        traced to a processor (their state is the next step's)."""
+        try:
+            return SampledRows(pending.rows, pending.sample.result(trace_nan=False))
+        except Exception as exc:  # noqa: BLE001 - the read of these rows failed: they end, the batch goes on
+            failures.append(Failure(tuple(c.request for c in pending.rows), phase_error("sampler", exc), False))
+            return None
+
+    def batch_requests(self) -> list[Request]:
+        """The request of every row of the persistent batch, in row order."""
+        return [self._rows[rid] for rid in self.batch.req_ids]
 
     def _update_batch(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> bool:
         """Persistent-batch update, then every processor's ``update_state``; False: skip the step."""
@@ -116,7 +160,11 @@ class Executor:
         return tail_swaps(order, lambda rid: self._rows[rid].remaining_tokens)
 
     def _execute(
-        self, rows: list[ScheduledChunk], partial: list[ScheduledChunk], out: ModelRunnerOutput
+        self,
+        rows: list[ScheduledChunk],
+        partial: list[ScheduledChunk],
+        out: ModelRunnerOutput,
+        last: PendingRows | None = None,
     ) -> torch.Tensor | None:
         """The forward over every scheduled chunk; on failure those requests end with `error`."""
         if not rows and not partial:
@@ -126,7 +174,8 @@ class Executor:
             ScheduledSeq(c.request.block_ids, c.token_ids, c.start_pos, c.sample, c.prompt_positions) for c in chunks
         ]
         try:
-            logits = self.runner.execute(seqs)
+            feed = _feed(chunks, last)
+            logits = self.runner.execute(seqs) if feed is None else self.runner.execute(seqs, feed)  # feed: async only
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its sequences, not the engine
             # Rows leave the batch by the normal removal next step: processor state stays valid.
             logger.warning("model forward failed: %r; failing its %d sequences", exc, len(seqs))
@@ -135,14 +184,20 @@ class Executor:
         out.computed = chunks
         return logits
 
-    def _sample(self, rows: list[ScheduledChunk], logits: torch.Tensor, failures: list[Failure]) -> SampledRows | None:
-        """The sampler over the batch rows. A processor failure is isolated to its rows and the
-        others are sampled again from the untouched logits; None when no row is left."""
+    def _sample(
+        self, rows: list[ScheduledChunk], logits: torch.Tensor, failures: list[Failure], *, defer: bool = False
+    ) -> SampledRows | PendingRows | None:
+        """The sampler over the batch rows (``defer``: its device work only, the read left to
+        ``finish_sampling``). A processor failure is isolated to its rows and the others are
+        sampled again from the untouched logits; None when no row is left."""
         # float32 logits are processed in place: keep them intact for the fault path.
         work = logits.clone() if logits.dtype == torch.float32 else logits
         while True:
             try:
-                sampled: SamplerOutput = self.sampler(work, self.batch.sampling_metadata(), pristine=logits)
+                pending = self.sampler.start(work, self.batch.sampling_metadata(), pristine=logits)
+                if defer:
+                    return PendingRows(rows, pending)
+                sampled: SamplerOutput = pending.result()
                 return SampledRows(rows, sampled)
             except ProcessorError as exc:
                 survivors = self._isolate(exc, [c.request for c in rows], logits, failures)
@@ -224,6 +279,17 @@ class Executor:
         except ProcessorError as exc:  # another culprit among the survivors: isolate it too
             return self._isolate(exc, list(survivors), None, failures)
         return list(survivors)
+
+
+def _feed(chunks: list[ScheduledChunk], last: PendingRows | None) -> TokenFeed | None:
+    """Where the step's placeholder tokens come from: each is its row's token of ``last``."""
+    seqs = [i for i, c in enumerate(chunks) if c.token_ids[0] == PLACEHOLDER]
+    if not seqs:
+        return None
+    if last is None:
+        raise RuntimeError("a token scheduled as a placeholder has no step in flight to come from")
+    row_of = last.row_of()
+    return TokenFeed(last.sample.tokens, seqs, [row_of[chunks[i].request.request_id] for i in seqs])
 
 
 def _added(reqs: list[Request]) -> BatchUpdate:

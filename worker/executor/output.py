@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.request import Request
-from worker.sampler import SamplerOutput
+from worker.sampler import PendingSample, SamplerOutput
 from worker.scheduler import ScheduledChunk
 
 
@@ -28,6 +28,18 @@ class SampledRows:
 
     rows: list[ScheduledChunk]
     output: SamplerOutput
+
+
+@dataclass(frozen=True)
+class PendingRows:
+    """Sampled batch rows (row order) whose read is still to come (async scheduling)."""
+
+    rows: list[ScheduledChunk]
+    sample: PendingSample
+
+    def row_of(self) -> dict[str, int]:
+        """Each row's request id -> its row in ``sample.tokens``."""
+        return {c.request.request_id: i for i, c in enumerate(self.rows)}
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,15 @@ class ModelRunnerOutput:
     sample_failures: list[Failure] = field(default_factory=list)
     sampled: SampledRows | None = None
     prompt_logits: PromptLogits | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward is launched (``Executor.launch``): the rows to sample from ``logits``."""
+
+    out: ModelRunnerOutput
+    rows: list[ScheduledChunk] = field(default_factory=list)
+    logits: torch.Tensor | None = None
 
 
 class ExecutorError(Exception):

@@ -37,7 +37,7 @@ from worker.config import EngineConfig
 from worker.model.loader import LoadedModel, resolve_device
 from worker.model.memory import RankMemory, cuda_memory, weight_bytes
 from worker.model.profile import KVSize, kv_size
-from worker.model.runner import ModelRunner, ScheduledSeq, block_bytes
+from worker.model.runner import ModelRunner, ScheduledSeq, TokenFeed, block_bytes
 from worker.model.shard import CommStats
 from worker.model.shard_loader import ReadStats, load_shard
 
@@ -353,7 +353,9 @@ class TensorParallelRunner(ModelRunner):
 
     group: TensorParallelGroup  # set by TensorParallelGroup.runner, which builds it
 
-    def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, seqs: Sequence[ScheduledSeq], feed: TokenFeed | None = None) -> torch.Tensor:
+        if feed is not None:  # the other ranks build their inputs from the host's token ids
+            raise ValueError("async_scheduling: not with tensor_parallel_size > 1")
         if not seqs:
             return super().execute(seqs)
         self._check(seqs)  # a step the other ranks would refuse never reaches them

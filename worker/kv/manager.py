@@ -27,6 +27,9 @@ class Sequenced(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def num_known_tokens(self) -> int: ...
+
     def token_slice(self, start: int, end: int) -> list[int]: ...
 
 
@@ -69,7 +72,7 @@ class KVCacheManager:
         if not self.enable_caching or req.block_ids:
             return []
         hits: list[int] = []
-        for address in self._addresses(req, (req.num_tokens - 1) // self.block_size):
+        for address in self._addresses(req, (req.num_known_tokens - 1) // self.block_size):
             block = self.pool.lookup(address)
             if block is None:
                 break
@@ -77,8 +80,9 @@ class KVCacheManager:
         return hits
 
     def register_full_blocks(self, req: Sequenced) -> None:
-        """Offer every newly completed block of the request to the prefix cache."""
-        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        """Offer every newly completed block of the request to the prefix cache (a block whose
+        last token is still on the device, async scheduling, waits until it is known)."""
+        full = min(min(req.num_computed_tokens, req.num_known_tokens) // self.block_size, len(req.block_ids))
         if full <= req.num_registered_blocks:
             return
         if self.enable_caching:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Self
 
 import torch
@@ -48,7 +48,7 @@ from worker.model.fusion import fuse_layers
 from worker.model.gather import head_major
 from worker.model.loader import LoadedModel
 from worker.model.static_decode import CaptureReport, StaticDecode, resolve_mode
-from worker.ops.staging import int64_tensor, stage
+from worker.ops.staging import int64_tensor, stage, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,23 @@ class ScheduledSeq:
     sample: bool  # True if this seq's last position produces logits this step
     # Logits of this many leading positions are returned too (prompt logprobs), after every sampled row.
     prompt_logits: int = 0
+
+
+@dataclass(frozen=True)
+class TokenFeed:
+    """Input ids still on the device (async scheduling): the one token of step seq ``seqs[j]``
+    is ``tokens[rows[j]]``, the last step's sampled token of that row (its scheduled id is a
+    placeholder). A failed row's -1 is read as 0: its result is dropped when that step is read."""
+
+    tokens: torch.Tensor  # [rows of the last step] int64, on the device
+    seqs: list[int]
+    rows: list[int]
+
+    def write(self, ids: torch.Tensor, at: list[int]) -> None:
+        """``ids[at[j]] = tokens[rows[j]]``: device ops only (indices staged without a sync)."""
+        dev = ids.device
+        fed = self.tokens.index_select(0, to_device(self.rows, torch.int64, dev)).clamp_min_(0)
+        ids.index_copy_(0, to_device(at, torch.int64, dev), fed)
 
 
 def kv_shape(loaded: LoadedModel) -> tuple[int, int, int]:
@@ -241,7 +258,7 @@ class ModelRunner:
     def _sync_table(self, seqs: Sequence[ScheduledSeq], used: list[int]) -> None:
         """Bring the persistent block table in step with this step's sequences (row i = seqs[i])."""
         if self._copied is not None:
-            self._copied.synchronize()  # long done: the last step's sampled tokens were read since
+            self._copied.synchronize()  # done: the copies open the last step, which the device has begun
         self.block_table.ensure_rows(len(seqs))
         self.block_table.sync([s.block_ids for s in seqs], used)
 
@@ -336,17 +353,21 @@ class ModelRunner:
         shared = common_prefix_blocks(table, torch.tensor(lengths), self.block_size)
         return shared if shared and cascade_pays(len(lengths), shared * self.block_size) else 0
 
-    def execute(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, seqs: Sequence[ScheduledSeq], feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one step; return raw logits [num sampled seqs, vocab] (model dtype), in seqs order,
-        then the ``prompt_logits`` rows of each seq, in seqs order."""
+        then the ``prompt_logits`` rows of each seq, in seqs order. ``feed``: the one-token seqs
+        whose token is still on the device (async scheduling)."""
         used = self._check(seqs)
         with torch.inference_mode():
             if not seqs:
                 return torch.empty((0, self.vocab_size), dtype=self._k[0].dtype, device=self._device)
             self._sync_table(seqs, used)
             if self.static is not None and self.static.fits(seqs):
-                return self.static.run(seqs, used)
+                return self.static.run(seqs, used, feed)
             ids, pos, keep, meta = self._metadata(seqs, used)
+            if feed is not None:
+                starts = list(accumulate((len(s.token_ids) for s in seqs), initial=0))
+                feed.write(ids, [starts[i] for i in feed.seqs])
             out = self._model(
                 input_ids=ids[None],
                 attention_mask=self._no_mask,

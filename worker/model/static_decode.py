@@ -36,7 +36,7 @@ from worker.model.gather import head_major
 from worker.ops.staging import int64_tensor
 
 if TYPE_CHECKING:
-    from worker.model.runner import ScheduledSeq
+    from worker.model.runner import ScheduledSeq, TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +235,12 @@ class StaticDecode:
         )
         return out.logits[0]
 
-    def run(self, seqs: Sequence[ScheduledSeq], used: Sequence[int]) -> torch.Tensor:
-        """One pure-decode step (``fits``): logits [len(seqs), vocab], in seqs order."""
+    def run(self, seqs: Sequence[ScheduledSeq], used: Sequence[int], feed: TokenFeed | None = None) -> torch.Tensor:
+        """One pure-decode step (``fits``): logits [len(seqs), vocab], in seqs order. ``feed``:
+        rows whose token is still on the device, written into the static ids before the replay."""
         rows, width = self._fill(seqs, used)
+        if feed is not None:
+            feed.write(self._rows_inputs(rows)[0], feed.seqs)
         self.bucket_steps[(rows, width)] += 1
         graph = self._graphs.get((rows, width))
         if graph is None:

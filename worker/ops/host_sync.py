@@ -3,11 +3,13 @@
 On an accelerator every device-to-host read waits for the stream: a sync. ``to_host`` brings
 several tensors over in ONE transfer (their bytes concatenated on the device, one copy, split
 again on the host), and counts it, so a test can assert how many reads a step made
-(``record_host_reads``). Tensors are ordered by element size before packing, so every part
+(``record_host_reads``). ``start_to_host`` issues the same transfer into pinned memory and
+returns before it is done; its ``wait`` then waits for that copy alone, not for work queued
+after it (the next step, under async scheduling). Tensors are ordered by element size before packing, so every part
 starts at an offset its dtype can be viewed at.
 
-Under ``torch.cuda.set_sync_debug_mode("error")`` this copy is the one sync allowed: the mode is
-lifted for the copy alone, so any other sync in the step still raises.
+Under ``torch.cuda.set_sync_debug_mode("error")`` this wait is the one sync allowed: the mode is
+lifted for the wait alone, so any other sync in the step still raises.
 """
 
 from __future__ import annotations
@@ -64,33 +66,63 @@ def to_host(*tensors: torch.Tensor, label: str = "") -> tuple[torch.Tensor, ...]
 
     The copies never alias the inputs, on CPU too (the sampler may write its buffers again).
     """
+    return start_to_host(*tensors, label=label).wait()
+
+
+class HostCopy:
+    """One transfer to the host, issued (``start_to_host``) and not yet waited for.
+
+    On CUDA the bytes go to pinned memory by a non-blocking copy and an event marks its end, so
+    the host may launch more work before it waits: ``wait`` then waits for this copy alone, not
+    for what was queued after it (async scheduling launches the next step in between).
+    """
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], host: torch.Tensor | None, done: torch.cuda.Event | None):
+        self._tensors, self._host, self._done = tensors, host, done
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        if self._host is None:  # CPU: the copies were made when it was issued
+            return self._tensors
+        if self._done is not None:
+            _synchronize(self._done)
+        out = list(self._tensors)
+        order = sorted(range(len(out)), key=lambda i: -out[i].element_size())
+        offset = 0
+        for i in order:
+            t = out[i]
+            n = t.numel() * t.element_size()
+            out[i] = self._host[offset : offset + n].view(t.dtype).view(t.shape)
+            offset += n
+        return tuple(out)
+
+
+def start_to_host(*tensors: torch.Tensor, label: str = "") -> HostCopy:
+    """Issue ``to_host``'s one transfer without waiting for it (counted as one read)."""
     parts = [t.detach().contiguous().reshape(-1) for t in tensors]
     order = sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
     sizes = [parts[i].numel() * parts[i].element_size() for i in order]
     _note(HostRead(label, len(tensors), sum(sizes)))
     if not parts:
-        return ()
+        return HostCopy((), None, None)
     if all(t.device.type == "cpu" for t in tensors):  # no transfer to batch: a copy of each is less work
-        return tuple(t.detach().clone() for t in tensors)
-    host = _copy_to_host(torch.cat([parts[i].view(torch.uint8) for i in order]))  # cat: a fresh tensor
-    out = list(tensors)
-    offset = 0
-    for i, n in zip(order, sizes):
-        out[i] = host[offset : offset + n].view(tensors[i].dtype).view(tensors[i].shape)
-        offset += n
-    return tuple(out)
-
-
-def _copy_to_host(flat: torch.Tensor) -> torch.Tensor:
-    if flat.device.type == "cpu":
-        return flat
+        return HostCopy(tuple(t.detach().clone() for t in tensors), None, None)
+    flat = torch.cat([parts[i].view(torch.uint8) for i in order])  # cat: a fresh tensor
     if flat.device.type != "cuda":
-        return flat.cpu()
+        return HostCopy(tensors, flat.cpu(), None)
+    host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return HostCopy(tensors, host, done)
+
+
+def _synchronize(done: torch.cuda.Event) -> None:
+    """The wait for a read's copy: the one sync a step makes (allowed under sync debug mode)."""
     mode = torch.cuda.get_sync_debug_mode()
     if mode:
         torch.cuda.set_sync_debug_mode(0)
     try:
-        return flat.cpu()
+        done.synchronize()
     finally:
         if mode:
             torch.cuda.set_sync_debug_mode(mode)

@@ -140,6 +140,7 @@ applications:
         attention_backend: {{ $v.engine.attentionBackend | toJson }}
         fused_layers: {{ $v.engine.fusedLayers | toJson }}
         cuda_graphs: {{ $v.engine.cudaGraphs | toJson }}
+        async_scheduling: {{ $v.engine.asyncScheduling | toJson }}
         stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}
         engine_process: {{ $v.engine.engineProcess | toJson }}
         tensor_parallel_size: {{ $v.engine.tensorParallelSize | toJson }}
