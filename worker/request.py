@@ -128,7 +128,7 @@ class Request:
 
     @property
     def remaining_tokens(self) -> int:
-        return self.params.max_tokens - len(self.output_token_ids)
+        return self.params.max_tokens - len(self.output_token_ids) - self.num_placeholders
 
     def finish(self, reason: FinishReason, *, stop_reason: str | int | None = None, error: str | None = None) -> None:
         if self.finish_reason is None:

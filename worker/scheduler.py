@@ -91,6 +91,9 @@ class Scheduler:
         self._resumed: list[Request] = []
         # In-batch sequences that finished since the last schedule(); removed at the next update.
         self._leaving: list[str] = []
+        # Rows whose token still on the device ends them by length (async scheduling): out of the
+        # batch and of ``running``, their blocks freed (``_retire``); they finish when it is read.
+        self._retiring: list[Request] = []
         self._arrivals = 0
         self._shares: Shares | None = None  # the fair policy's, rebuilt by every schedule()
         self.num_preemptions = 0
@@ -111,6 +114,8 @@ class Scheduler:
             self.kv.free(request)
         if request in self.running:
             self.running.remove(request)
+        elif request in self._retiring:
+            self._retiring.remove(request)
         elif request in self.paused:
             self.paused.remove(request)
             if request in self._resumed:
@@ -169,17 +174,14 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._leaving)
         self._leaving = []
         self._budget = self.max_num_batched_tokens
+        for req in list(self.running):  # first: they are gone, as finished rows are in a synchronous step
+            if req.in_batch and req.num_placeholders and req.ends_by_length(self.max_model_len):
+                self._retire(req, out)
         self._rejoin_resumed()
         shares = Shares.of(self.running, self.waiting, self.max_num_seqs) if self.policy == "fair" else None
         self._shares = shares
         for req in list(self.running):
-            if not (req.in_batch and req in self.running):
-                continue
-            if req.num_placeholders and req.ends_by_length(self.max_model_len):
-                # Its token still on the device is its last: the row leaves now, it finishes when read.
-                out.finished_ids.append(req.request_id)
-                req.in_batch = False
-            elif self._reserve(req, 1, out):
+            if req.in_batch and req in self.running and self._reserve(req, 1, out):
                 self._put(out, req, 1)
         for req in list(self.running):
             if self._budget <= 0:
@@ -191,6 +193,16 @@ class Scheduler:
         if not out.preempted:  # blocks ran short for running sequences: admit nobody this step
             self._admit_waiting(out)
         return out
+
+    def _retire(self, req: Request, out: SchedulerOutput) -> None:
+        """Its token still on the device is its last: its row and its KV blocks go now, as a
+        synchronous step's finished row's would (no step computes that token's KV); the request
+        finishes when the token is read."""
+        self.kv.free(req)
+        self.running.remove(req)
+        self._retiring.append(req)
+        out.finished_ids.append(req.request_id)
+        req.in_batch = False
 
     def _rejoin_resumed(self) -> None:
         """Resumed sequences that kept their KV take free rows first (they were admitted before)."""

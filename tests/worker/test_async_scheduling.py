@@ -41,10 +41,22 @@ def _engine(*, async_scheduling: bool, blocks: int | None = None, block_size: in
     return LLMEngine(cfg, loaded=loaded)
 
 
-def _run(engine: LLMEngine, workload: Workload, *, stagger: int = 0, abort: dict[int, int] | None = None):
+def _run(
+    engine: LLMEngine,
+    workload: Workload,
+    *,
+    stagger: int = 0,
+    abort: dict[int, int] | None = None,
+    batches: list[list[str]] | None = None,
+):
     """``test_paged_engine``'s run (``abort``: request index -> the step it is aborted at), then
-    the engine must be left as it started."""
-    done = paged_run(engine, workload, stagger=stagger, abort=abort)
+    the engine must be left as it started. ``batches``: gets the batch's rows after each step."""
+
+    def record() -> None:
+        if batches is not None:
+            batches.append(list(engine.batch.req_ids))
+
+    done = paged_run(engine, workload, stagger=stagger, abort=abort, on_step=record)
     _assert_drained(engine)
     return done
 
@@ -82,7 +94,11 @@ def _assert_same(got: dict[str, RequestOutput], want: dict[str, RequestOutput]) 
             assert a[k][1] == pytest.approx(b[k][1], abs=1e-4), k
 
 
-def _params(rng: random.Random, vocab: int, common: list[int]) -> SamplingParams:
+def _params(rng: random.Random) -> SamplingParams:
+    """Rows that end by length only: a row ending on a sampled stop is computed once more under
+    async scheduling, so the steps after it batch other rows, and a GEMM of another size rounds
+    differently; with this random model's flat logits that can move a seeded draw to the next
+    token. Stops are tested on greedy rows (``test_rows_end_by_every_cause...``)."""
     kind = rng.choice(["greedy", "seeded", "top-k/top-p", "penalties"])
     kw: dict = {"max_tokens": rng.randint(1, 24), "seed": rng.randrange(2**31)}
     if kind == "greedy":
@@ -93,13 +109,10 @@ def _params(rng: random.Random, vocab: int, common: list[int]) -> SamplingParams
         kw.update(temperature=1.0, top_k=rng.choice([0, 5, 40]), top_p=rng.choice([1.0, 0.8, 0.95]))
     else:
         kw.update(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3)
-    if rng.random() < 0.4:  # tokens this model emits often: rows end early, on a stop token
-        kw["stop_token_ids"] = rng.sample(common, 2)
-        kw["min_tokens"] = rng.randint(0, min(3, kw["max_tokens"]))
     kw["logprobs"] = rng.choice([0, 0, 2])  # the sampled token's logprob shows a row fed a wrong input
     if rng.random() < 0.2:
         kw["n"] = 2
-    return SamplingParams(ignore_eos=rng.random() < 0.5, **kw)
+    return SamplingParams(ignore_eos=True, **kw)
 
 
 def _common_tokens() -> list[int]:
@@ -117,9 +130,6 @@ def _prompts(n: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
     return prompts_of(tiny_loaded(), n, lo=lo, hi=hi, seed=seed)
 
 
-_COMMON: list[int] = []
-
-
 @given(
     seed=st.integers(0, 2**16),
     n=st.integers(1, 7),
@@ -127,22 +137,28 @@ _COMMON: list[int] = []
     tight=st.booleans(),
     padded=st.booleans(),
 )
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same examples every run (a float-noise flip, were one ever to appear, would not
+# come and go between runs).
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 def test_async_scheduling_gives_what_a_synchronous_step_gives(seed, n, stagger, tight, padded) -> None:
-    if not _COMMON:
-        _COMMON.extend(_common_tokens())
     rng = random.Random(seed)
-    vocab = tiny_loaded().vocab_size
     prompts = _prompts(n, seed)
     if n > 2:  # a shared prefix: cache hits (and, with a tight pool, evictions)
         prompts[1] = prompts[0][: max(1, len(prompts[0]) // 2)] + prompts[1]
-    workload = [(p, _params(rng, vocab, _COMMON)) for p in prompts]
+    workload = [(p, _params(rng)) for p in prompts]
     kw: dict = {"cuda_graphs": padded, "max_model_len": 64}
     if tight:
         kw["blocks"] = 12
-    sync = _run(_engine(async_scheduling=False, **kw), workload, stagger=stagger)
-    over = _run(_engine(async_scheduling=True, **kw), workload, stagger=stagger)
+    sync_rows: list[list[str]] = []
+    over_rows: list[list[str]] = []
+    sync = _run(_engine(async_scheduling=False, **kw), workload, stagger=stagger, batches=sync_rows)
+    over_engine = _engine(async_scheduling=True, **kw)
+    over = _run(over_engine, workload, stagger=stagger, batches=over_rows)
     _assert_same(over, sync)
+    if not over_engine.num_redone_rows:  # a redone row is a step behind from then on
+        # Rows end by length only: step k batches the same rows in the same order in both modes
+        # (admissions, preemptions, cache hits alike), so each row's logits are computed alike.
+        assert over_rows[: len(sync_rows)] == sync_rows
 
 
 def test_rows_end_by_every_cause_and_a_tight_pool_preempts() -> None:
@@ -156,10 +172,9 @@ def test_rows_end_by_every_cause_and_a_tight_pool_preempts() -> None:
         (prompts[1], SamplingParams(temperature=0.0, max_tokens=30, stop=[text[2:5]] if len(text) > 5 else None)),
         (prompts[2], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)),
         (prompts[3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)),  # the context ends it
-        *[
-            (p, SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True))
-            for i, p in enumerate(prompts[4:])
-        ],
+        # Greedy: these rows batch differently once a stopped row is computed once more, and
+        # only an exact tie could then change a greedy token.
+        *[(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)) for p in prompts[4:]],
     ]
     kw = {"max_model_len": 64, "blocks": 20}
     sync_engine, over_engine = _engine(async_scheduling=False, **kw), _engine(async_scheduling=True, **kw)
@@ -318,3 +333,18 @@ def test_constrained_rows_overlap_and_stay_valid() -> None:
             got[(mode, kind)] = [o.token_ids for o in outs]
         assert llm.engine.num_restarts == 0
     assert all(got[(True, k)] == got[(False, k)] for k in kinds)
+
+
+def test_rows_ending_by_length_free_their_row_for_the_next_admission_as_in_a_synchronous_step() -> None:
+    """Step k batches the same rows in both modes when rows end by length: a row whose last
+    token is still on the device gives its row to a waiting request at once."""
+    workload = [
+        (p, SamplingParams(temperature=0.0, max_tokens=3 + i % 4, ignore_eos=True))
+        for i, p in enumerate(_prompts(7, seed=71, lo=4, hi=12))
+    ]
+    sync: list[list[str]] = []
+    over: list[list[str]] = []
+    _run(_engine(async_scheduling=False, max_num_seqs=2), workload, batches=sync)
+    _run(_engine(async_scheduling=True, max_num_seqs=2), workload, batches=over)
+    assert len(over) == len(sync) + 1  # the last step only reads
+    assert over[: len(sync)] == sync

@@ -40,11 +40,12 @@ def _run(
     stagger: int = 0,
     check_delta: Callable[[RequestOutput, bool], None] | None = None,
     abort: dict[int, int] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> dict[str, RequestOutput]:
     """Add the requests (every ``stagger`` steps one, or all at once), step to the end; outputs by id.
 
     ``check_delta(delta, first)`` sees every delta, and whether it is its request's first.
-    ``abort``: request index -> the step at which it is aborted.
+    ``abort``: request index -> the step at which it is aborted. ``on_step`` runs after each step.
     """
     accs: dict[str, OutputAccumulator] = {}
     done: dict[str, RequestOutput] = {}
@@ -67,6 +68,8 @@ def _run(
             out = accs[delta.request_id].add(delta)
             if out.finished:
                 done[delta.request_id] = out
+        if on_step is not None:
+            on_step()
         steps += 1
         assert steps < 3000, "no progress"
     return done
