@@ -46,6 +46,7 @@ from worker.model.block_table import BlockTable
 from worker.model.cascade import cascade_pays, common_prefix_blocks, shared_chunks, shared_prefix
 from worker.model.fusion import fuse_layers
 from worker.model.gather import head_major
+from worker.model.host_malloc import keep_freed_memory
 from worker.model.loader import LoadedModel
 from worker.model.static_decode import CaptureReport, StaticDecode, resolve_mode
 from worker.ops.staging import int64_tensor, stage, to_device
@@ -179,6 +180,8 @@ class ModelRunner:
         self.vocab_size = loaded.vocab_size
         self._model = loaded.model
         self._device = loaded.device
+        if loaded.device.type == "cpu":
+            keep_freed_memory()  # the process's malloc: a step's temporaries reused, not re-mapped
         self._model.set_attn_implementation(register_attention())
         if fused_layers:
             logger.info("fused layers: %s", fuse_layers(self._model).describe())
