@@ -3,10 +3,10 @@
 On an accelerator every device-to-host read waits for the stream: a sync. ``to_host`` brings
 several tensors over in ONE transfer (their bytes concatenated on the device, one copy, split
 again on the host), and counts it, so a test can assert how many reads a step made
-(``record_host_reads``). ``start_to_host`` issues the same transfer into pinned memory and
-returns before it is done; its ``wait`` then waits for that copy alone, not for work queued
-after it (the next step, under async scheduling). Tensors are ordered by element size before packing, so every part
-starts at an offset its dtype can be viewed at.
+(``record_host_reads``). Tensors are ordered by element size before packing, so every part
+starts at an offset its dtype can be viewed at. ``start_to_host`` issues the same transfer into
+pinned memory and returns before it is done; its ``wait`` then waits for that copy alone, not
+for work queued after it (the next step, under async scheduling).
 
 Under ``torch.cuda.set_sync_debug_mode("error")`` this wait is the one sync allowed: the mode is
 lifted for the wait alone, so any other sync in the step still raises.
