@@ -459,7 +459,8 @@ class LLMEngine:
     def _start_sampling(self, step: LaunchedStep) -> None:
         redo, self._redo_ids = self._redo_ids, set()
         # A row done again must draw what it would have: its generator as before this call.
-        states = [(r.generator, r.generator.get_state()) for r in _requests(step.rows, redo) if r.generator]
+        redone = [c.request.generator for c in step.rows if c.request.request_id in redo]
+        states = [(gen, gen.get_state()) for gen in redone if gen is not None]
         try:
             pending = self.executor.start_sampling(step)
         except ExecutorError as exc:
@@ -741,10 +742,6 @@ class LLMEngine:
         req.new_token_ids = []
         req.new_logprobs = []
         return delta
-
-
-def _requests(chunks: list[ScheduledChunk], ids: set[str]) -> list[Request]:
-    return [c.request for c in chunks if c.request.request_id in ids] if ids else []
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -186,7 +186,7 @@ class Scheduler:
         for req in list(self.running):
             if self._budget <= 0:
                 break
-            if not req.in_batch and req in self.running and not req.num_placeholders:
+            if not req.in_batch and req in self.running:
                 n = min(req.num_pending_tokens, self._budget)
                 if self._reserve(req, n, out):
                     self._put(out, req, n)

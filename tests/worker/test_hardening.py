@@ -282,11 +282,11 @@ class _FailingForward:
     def __init__(self, execute, fail_at: int) -> None:
         self.execute, self.fail_at, self.calls = execute, fail_at, 0
 
-    def __call__(self, seqs):
+    def __call__(self, seqs, feed=None):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("injected forward failure")
-        return self.execute(seqs)
+        return self.execute(seqs, feed)
 
 
 def assert_serves_again(engine: LLMEngine, loaded, prompt: list[int]) -> None:
@@ -343,8 +343,8 @@ class _NaNForward:
     def __init__(self, execute) -> None:
         self.execute = execute
 
-    def __call__(self, seqs):
-        logits = self.execute(seqs)
+    def __call__(self, seqs, feed=None):
+        logits = self.execute(seqs, feed)
         if logits.shape[0] == 2:
             logits[0, 7] = float("nan")
         return logits

@@ -44,9 +44,9 @@ def _recording(runner: ModelRunner, steps: list[list[ScheduledSeq]]) -> None:
     """Record every step the runner executes (the executor calls ``runner.execute``)."""
     execute = runner.execute
 
-    def record(seqs):
+    def record(seqs, feed=None):
         steps.append(list(seqs))
-        return execute(seqs)
+        return execute(seqs, feed)
 
     runner.execute = record  # type: ignore[method-assign]
 

@@ -174,8 +174,7 @@ class Executor:
             ScheduledSeq(c.request.block_ids, c.token_ids, c.start_pos, c.sample, c.prompt_positions) for c in chunks
         ]
         try:
-            feed = _feed(chunks, last)
-            logits = self.runner.execute(seqs) if feed is None else self.runner.execute(seqs, feed)  # feed: async only
+            logits = self.runner.execute(seqs, _feed(chunks, last))
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its sequences, not the engine
             # Rows leave the batch by the normal removal next step: processor state stays valid.
             logger.warning("model forward failed: %r; failing its %d sequences", exc, len(seqs))

@@ -82,7 +82,8 @@ class KVCacheManager:
     def register_full_blocks(self, req: Sequenced) -> None:
         """Offer every newly completed block of the request to the prefix cache (a block whose
         last token is still on the device, async scheduling, waits until it is known)."""
-        full = min(min(req.num_computed_tokens, req.num_known_tokens) // self.block_size, len(req.block_ids))
+        known = min(req.num_computed_tokens, req.num_known_tokens)
+        full = min(known // self.block_size, len(req.block_ids))
         if full <= req.num_registered_blocks:
             return
         if self.enable_caching:

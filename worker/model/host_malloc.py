@@ -40,19 +40,13 @@ def keep_freed_memory() -> bool:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None) if libc is not None else None
-        if mallopt is not None and getattr(libc, "gnu_get_libc_version", None) is not None:
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            ok = all(
-                mallopt(param, value) == 1
-                for param, value in (
-                    (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-                    (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                    (M_TOP_PAD, TOP_PAD),
-                )
-            )
     except OSError:
-        ok = False
+        libc = None
+    if libc is not None and hasattr(libc, "gnu_get_libc_version"):  # glibc, which has mallopt
+        mallopt = libc.mallopt
+        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
+        ok = all(mallopt(param, value) == 1 for param, value in settings)
     _done.append(ok)
     if ok:
         logger.info("CPU engine: glibc malloc keeps freed memory (mmap threshold 1 GiB, trim threshold 1 GiB)")
