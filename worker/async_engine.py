@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from worker.config import EngineConfig
 from worker.engine import LLMEngine, Prompt
 from worker.kv import CachedBlocks
+from worker.model.host_threads import on_own_thread
 from worker.model.loader import LoadedModel
 from worker.outputs import OutputAccumulator, RequestOutput
 from worker.request import Scheduling
@@ -149,7 +150,9 @@ class EngineStats:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
-        self.engine = LLMEngine(config, loaded=loaded)
+        # Built on a thread that ends, so the engine thread is the only one keeping OpenMP
+        # workers (worker.model.host_threads: an idle second team slows every CPU step).
+        self.engine = on_own_thread(LLMEngine, config, loaded=loaded)
         self._streams = OutputStreams(
             config.stream_buffer_outputs, self.engine.pause_request, self._resume, self._abort_request
         )

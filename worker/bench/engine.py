@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import time
 from collections.abc import Sequence
 
@@ -28,6 +27,7 @@ from worker.bench.peer import PeerWorkload, run_peer, same_tokens
 from worker.bench.peer_model import peer_model_path
 from worker.config import SCHEDULING_POLICIES, EngineConfig
 from worker.llm import LLM
+from worker.model.host_threads import on_own_thread
 from worker.model.loader import LoadedModel, embedded_model_path, load_model
 from worker.sampling_params import SamplingParams
 
@@ -54,6 +54,11 @@ def run_offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[fl
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return len(prompts) * new_tokens / (time.perf_counter() - t0), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def hf_padded_batch(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> float:
+    """run_hf's padded batch, on a thread that ends (host_threads)."""
+    return on_own_thread(run_hf, loaded, prompts, new_tokens, batched=True)
 
 
 def run_hf(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, batched: bool) -> float:
@@ -114,7 +119,8 @@ def model_path(args: argparse.Namespace) -> str:
 async def amain(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     path = model_path(args)
-    loaded = load_model(path, dtype="float32")
+    # Torch work on threads that end, so no idle OpenMP team slows the one measured (host_threads).
+    loaded = on_own_thread(load_model, path, dtype="float32")
     sizes = dict(
         max_num_seqs=max(args.concurrency),
         max_num_batched_tokens=args.token_budget,
@@ -122,14 +128,14 @@ async def amain(args: argparse.Namespace) -> None:
         load_entry_points=False,
     )
     engine = AsyncEngine(EngineConfig(model=path, **sizes), loaded=loaded)
-    offline = LLM(loaded=loaded, **sizes)
+    offline = on_own_thread(LLM, loaded=loaded, **sizes)
     print(f"KV storage: {engine.engine.runner.kv_cache_bytes / 2**20:.0f} MiB per engine; model {path}")
     peer: list[tuple[PeerWorkload, str, float, list[list[int]]]] = []  # (workload, unit, ours, our tokens)
     chosen = set(args.workload)
     if chosen & {"shared-prefix", "capacity", "pressure", "all"}:
         print("\n| workload | paged engine | comparison | transformers / other | ratio |\n|---|---|---|---|---|")
     if chosen & {"shared-prefix", "all"}:
-        hf_batch = None if args.skip_hf else functools.partial(run_hf, batched=True)
+        hf_batch = None if args.skip_hf else hf_padded_batch
         row, prompts, on = workloads.shared_prefix(
             loaded, hf_batch, n=args.prefix_requests, prefix=args.prefix_len, own=32, new=32, budget=args.token_budget
         )
@@ -184,7 +190,21 @@ async def uniform(
     loaded: LoadedModel,
     peer: list[tuple[PeerWorkload, str, float, list[list[int]]]],
 ) -> None:
+    """AsyncEngine for every N (then the soak), the engine shut down, then LLM.generate and HF:
+    each alone in the process, as a user runs it (an idle engine's OpenMP team beside a busy one
+    slows its steps: worker.model.host_threads)."""
     await measure(engine_stream(engine, 8), make_prompts(loaded, 2, args.prompt_len, seed=99))
+    prompts = {n: make_prompts(loaded, n, args.prompt_len, seed=n) for n in args.concurrency}
+    streamed = {n: await measure(engine_stream(engine, args.new_tokens), prompts[n]) for n in args.concurrency}
+    soak_line = ""
+    if args.soak:
+        warm, end = await soak(engine, loaded, args.soak, 32)
+        soak_line = (
+            f"\nsoak: {args.soak} requests with churn; RSS after warm-up {warm:.0f} MiB, at end {end:.0f} MiB "
+            f"({100 * (end - warm) / warm:+.1f}%); condense moves {engine.engine.num_condense_moves}, "
+            f"swaps {engine.engine.num_swaps}"
+        )
+    await engine.shutdown()
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; {args.threads} threads\n")
     print(
         "| N | AsyncEngine tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | LLM.generate tok/s "
@@ -193,10 +213,9 @@ async def uniform(
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.concurrency:
-        prompts = make_prompts(loaded, n, args.prompt_len, seed=n)
-        r = await measure(engine_stream(engine, args.new_tokens), prompts)
-        sync, tokens = run_offline(offline, prompts, args.new_tokens)
-        peer.append((PeerWorkload(f"uniform N={n}", prompts, args.new_tokens), "tok/s", sync, tokens))
+        r = streamed[n]
+        sync, tokens = on_own_thread(run_offline, offline, prompts[n], args.new_tokens)
+        peer.append((PeerWorkload(f"uniform N={n}", prompts[n], args.new_tokens), "tok/s", sync, tokens))
         if args.skip_hf:
             print(
                 f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
@@ -204,21 +223,17 @@ async def uniform(
                 flush=True,
             )
             continue
-        single = run_hf(loaded, prompts[: min(n, args.hf_single_max)], args.new_tokens, batched=False)
-        batch = run_hf(loaded, prompts, args.new_tokens, batched=True)
+        few = prompts[n][: min(n, args.hf_single_max)]
+        single = on_own_thread(run_hf, loaded, few, args.new_tokens, batched=False)
+        batch = on_own_thread(run_hf, loaded, prompts[n], args.new_tokens, batched=True)
         print(
             f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
             f"| {sync:.0f} | {single:.0f} | {batch:.0f} | {r.tok_s / batch:.2f} | {sync / batch:.2f} "
             f"| {r.tok_s / single:.1f} | {rss_mib()[1]:.0f} |",
             flush=True,
         )
-    if args.soak:
-        warm, end = await soak(engine, loaded, args.soak, 32)
-        print(
-            f"\nsoak: {args.soak} requests with churn; RSS after warm-up {warm:.0f} MiB, at end {end:.0f} MiB "
-            f"({100 * (end - warm) / warm:+.1f}%); condense moves {engine.engine.num_condense_moves}, "
-            f"swaps {engine.engine.num_swaps}"
-        )
+    if soak_line:
+        print(soak_line)
 
 
 def print_peer(

@@ -18,6 +18,7 @@ import torch
 
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
+from worker.model.host_threads import on_own_thread
 from worker.model.loader import LoadedModel
 from worker.model.runner import block_bytes
 from worker.sampling_params import SamplingParams
@@ -50,7 +51,8 @@ def drive(
     max_model_len: int | None = None,
     enable_prefix_caching: bool = True,
 ) -> Drive:
-    """All requests at once through a fresh LLMEngine (these EngineConfig fields), stepped synchronously to the end."""
+    """All requests at once through a fresh LLMEngine (these EngineConfig fields), stepped
+    synchronously to the end, on a thread that ends with it (its OpenMP team too: host_threads)."""
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -59,6 +61,10 @@ def drive(
         enable_prefix_caching=enable_prefix_caching,
         load_entry_points=False,
     )
+    return on_own_thread(_drive, config, loaded, prompts, params)
+
+
+def _drive(config: EngineConfig, loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams) -> Drive:
     engine = LLMEngine(config, loaded=loaded)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     t0 = time.perf_counter()
