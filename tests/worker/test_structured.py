@@ -305,3 +305,19 @@ def test_harness_catches_a_matcher_left_behind_by_a_swap(compiler: StructuredCom
 def test_shape_errors_name_the_field_the_constraint_came_from(name: str) -> None:
     with pytest.raises(ValueError, match=rf"^{re.escape(name)}: must be a non-empty list"):
         StructuredOutputsParams.from_dict({"choice": ["a", ""]}, name=name)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    vocab_size=st.integers(1, 300),
+    ids=st.lists(st.integers(-40, 340), max_size=120),
+)
+def test_a_token_bitmask_sets_exactly_its_ids_in_the_vocabulary(vocab_size: int, ids: list[int]) -> None:
+    """xgrammar's layout: token t is bit t % 32 of int32 word t // 32 (bit 31 the sign bit)."""
+    from worker.logits_processor.structured_grammar import _bits_of, bitmask_words
+
+    words = _bits_of(ids, vocab_size)
+    assert words.dtype == torch.int32 and words.shape == (bitmask_words(vocab_size),)
+    as_unsigned = [int(w) & 0xFFFFFFFF for w in words]
+    got = {32 * i + b for i, w in enumerate(as_unsigned) for b in range(32) if w >> b & 1}
+    assert got == {t for t in ids if 0 <= t < vocab_size}

@@ -153,12 +153,18 @@ _CONTROL = re.compile(rb"[\x00-\x1f]")
 
 
 def _bits_of(ids: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """The (words,) int32 bitmask with exactly ``ids`` set."""
-    bits = torch.zeros(bitmask_words(vocab_size) * 32, dtype=torch.bool)
-    bits[[t for t in ids if 0 <= t < vocab_size]] = True
-    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
-    words = (bits.view(-1, 32).to(torch.int64) * weights).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    """The (words,) int32 bitmask with exactly ``ids`` (those in the vocabulary) set.
+
+    Built in Python, not with vocabulary-sized tensor ops: it runs when a compiler is made, on
+    whichever thread prepares a request, and a torch op that large would run as an OpenMP
+    parallel region there, leaving that thread a team that throttles the step thread's
+    (worker.model.host_threads).
+    """
+    words = [0] * bitmask_words(vocab_size)
+    for t in ids:
+        if 0 <= t < vocab_size:
+            words[t >> 5] |= 1 << (t & 31)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
 def _set_bits(row: torch.Tensor, ids: frozenset[int]) -> None:

@@ -128,3 +128,17 @@ def test_the_thread_that_builds_an_async_engine_holds_no_openmp_team(tiny_model_
     )
     assert built == "1", "loading, profiling and the KV pool ran on a thread that ended"
     assert served == "0", "the probe's own team is still here: a second parallel op starts no worker"
+
+
+def test_a_large_vocabulary_token_bitmask_is_built_without_an_openmp_team() -> None:
+    """The structured compiler builds its masks on whichever thread prepares a request."""
+    (gained,) = _run(
+        """
+        from worker.logits_processor.structured_grammar import _bits_of
+
+        before = tids()
+        _bits_of(range(0, 128_256, 3), 128_256)  # Llama 3's vocabulary
+        print(len(tids() - before))
+        """
+    )
+    assert gained == "0"
