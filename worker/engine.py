@@ -46,7 +46,7 @@ from worker.ops.host_sync import as_lists, host_lists
 from worker.ops.prompt_logprobs import prompt_logprobs_topk
 from worker.ops.staging import stage
 from worker.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, wire_logprob
-from worker.request import PLACEHOLDER, Request, Scheduling
+from worker.request import Request, Scheduling
 from worker.sampler import NO_FINITE_LOGIT, Sampler, SamplerOutput
 from worker.sampling_params import SamplingParams
 from worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -497,7 +497,7 @@ class LLMEngine:
     def _redo(self, sampled: SampledRows, launched: LaunchedStep) -> None:
         """Rows ``launched`` was fed a token the exact pass then changed: their KV at that position
         is computed again next step, and what ``launched`` samples for them is dropped."""
-        fed = {c.request.request_id for c in launched.rows if c.token_ids == [PLACEHOLDER]}
+        fed = {c.request.request_id for c in launched.rows if c.fed}
         for row in sampled.output.redrawn:
             req = sampled.rows[row].request
             if req.request_id in fed:

@@ -30,7 +30,7 @@ from worker import fairness
 from worker.config import SchedulingPolicy
 from worker.fairness import Shares, WaitingQueue
 from worker.kv.manager import KVCacheManager
-from worker.request import Request
+from worker.request import PLACEHOLDER, Request
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class ScheduledChunk:
     start_pos: int
     # True when this chunk's last position is sampled (decode, or the last chunk of a prefill).
     sample: bool
+
+    @property
+    def fed(self) -> bool:
+        """Its one token is still on the device (async scheduling): the runner feeds it there."""
+        return self.token_ids[0] == PLACEHOLDER
 
     @property
     def prompt_positions(self) -> int:

@@ -22,7 +22,8 @@ from tests.worker.test_engine import prompts_of
 from tests.worker.test_paged_engine import _run as paged_run
 from worker.config import EngineConfig, resolve_async_scheduling
 from worker.engine import LLMEngine
-from worker.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+from worker.logits_processor.interface import BatchUpdate, LogitsProcessor
+from worker.logits_processor.state import RowStates
 from worker.model.runner import ModelRunner, block_bytes
 from worker.ops.host_sync import record_host_reads
 from worker.outputs import RequestOutput
@@ -245,27 +246,18 @@ class _SeenOutputs(LogitsProcessor):
     seen: ClassVar[list[list[tuple[str, tuple[int, ...]]]]] = []
 
     def __init__(self, config: EngineConfig, device: torch.device, is_pin_memory: bool) -> None:
-        self.rows: dict[int, tuple[str, list[int]]] = {}
+        self.rows: RowStates[tuple[str, list[int]]] = RowStates(
+            lambda params, _prompt, output: (str(params.extra_args["tag"]), output)
+        )
 
     def is_argmax_invariant(self) -> bool:
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index, params, _prompt, output in batch_update.added:
-            self.rows[index] = (str(params.extra_args["tag"]), output)
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-            if ra is not None:
-                self.rows[b] = ra
-            if direction == MoveDirectionality.SWAP and rb is not None:
-                self.rows[a] = rb
+        self.rows.update(batch_update)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        _SeenOutputs.seen.append(sorted((tag, tuple(out)) for tag, out in self.rows.values()))
+        _SeenOutputs.seen.append(sorted((tag, tuple(out)) for _, (tag, out) in self.rows.items()))
         return logits
 
 

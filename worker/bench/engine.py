@@ -225,7 +225,7 @@ async def uniform(
             continue
         few = prompts[n][: min(n, args.hf_single_max)]
         single = on_own_thread(run_hf, loaded, few, args.new_tokens, batched=False)
-        batch = on_own_thread(run_hf, loaded, prompts[n], args.new_tokens, batched=True)
+        batch = hf_padded_batch(loaded, prompts[n], args.new_tokens)
         print(
             f"| {n} | {r.tok_s:.0f} | {r.ttft_p50_ms:.1f} | {r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} "
             f"| {sync:.0f} | {single:.0f} | {batch:.0f} | {r.tok_s / batch:.2f} | {sync / batch:.2f} "

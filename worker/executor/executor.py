@@ -33,7 +33,7 @@ from worker.logits_processor.registry import LogitsProcessors, build_logits_proc
 from worker.model.runner import ModelRunner, ScheduledSeq, TokenFeed
 from worker.ops.staging import to_device
 from worker.reorder import tail_swaps
-from worker.request import PLACEHOLDER, Request
+from worker.request import Request
 from worker.sampler import Sampler, SamplerOutput
 from worker.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -282,7 +282,7 @@ class Executor:
 
 def _feed(chunks: list[ScheduledChunk], last: PendingRows | None) -> TokenFeed | None:
     """Where the step's placeholder tokens come from: each is its row's token of ``last``."""
-    seqs = [i for i, c in enumerate(chunks) if c.token_ids[0] == PLACEHOLDER]
+    seqs = [i for i, c in enumerate(chunks) if c.fed]
     if not seqs:
         return None
     if last is None:

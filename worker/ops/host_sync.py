@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -77,8 +78,16 @@ class HostCopy:
     for what was queued after it (async scheduling launches the next step in between).
     """
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], host: torch.Tensor | None, done: torch.cuda.Event | None):
-        self._tensors, self._host, self._done = tensors, host, done
+    def __init__(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        host: torch.Tensor | None = None,
+        done: torch.cuda.Event | None = None,
+        spans: tuple[tuple[int, int, int], ...] = (),
+    ) -> None:
+        """``host`` None: ``tensors`` are the host copies already. Else ``spans`` places tensor
+        ``i`` at bytes [offset, offset + n) of ``host`` as (i, offset, n)."""
+        self._tensors, self._host, self._done, self._spans = tensors, host, done, spans
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         if self._host is None:  # CPU: the copies were made when it was issued
@@ -86,13 +95,8 @@ class HostCopy:
         if self._done is not None:
             _synchronize(self._done)
         out = list(self._tensors)
-        order = sorted(range(len(out)), key=lambda i: -out[i].element_size())
-        offset = 0
-        for i in order:
-            t = out[i]
-            n = t.numel() * t.element_size()
-            out[i] = self._host[offset : offset + n].view(t.dtype).view(t.shape)
-            offset += n
+        for i, offset, n in self._spans:
+            out[i] = self._host[offset : offset + n].view(out[i].dtype).view(out[i].shape)
         return tuple(out)
 
 
@@ -103,17 +107,19 @@ def start_to_host(*tensors: torch.Tensor, label: str = "") -> HostCopy:
     sizes = [parts[i].numel() * parts[i].element_size() for i in order]
     _note(HostRead(label, len(tensors), sum(sizes)))
     if not parts:
-        return HostCopy((), None, None)
+        return HostCopy(())
     if all(t.device.type == "cpu" for t in tensors):  # no transfer to batch: a copy of each is less work
-        return HostCopy(tuple(t.detach().clone() for t in tensors), None, None)
+        return HostCopy(tuple(t.detach().clone() for t in tensors))
+    offsets = accumulate(sizes, initial=0)
+    spans = tuple((i, offset, n) for i, offset, n in zip(order, offsets, sizes))
     flat = torch.cat([parts[i].view(torch.uint8) for i in order])  # cat: a fresh tensor
     if flat.device.type != "cuda":
-        return HostCopy(tensors, flat.cpu(), None)
+        return HostCopy(tensors, flat.cpu(), spans=spans)
     host = torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
     host.copy_(flat, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    return HostCopy(tensors, host, done)
+    return HostCopy(tensors, host, done, spans)
 
 
 def _synchronize(done: torch.cuda.Event) -> None:
