@@ -103,6 +103,14 @@ class EngineConfig:
     # one kernel, where the model family allows (worker.model.fusion): the same numbers (bitwise
     # on CPU), fewer kernel launches per step.
     fused_layers: bool = True
+    # Decode steps' float32 linears on CPU, at 4..256 rows where it is faster, through MKL's
+    # packed GEMM on a packed copy of each weight (worker.model.packed_linear): 1.1-2.3x faster
+    # GEMMs there for +1x the weights' host memory; torch's numbers within float32 rounding, not
+    # bitwise (as vLLM-cpu's prepacked oneDNN GEMM). Prefill and prompt logprobs stay bitwise.
+    # Off by default: a greedy near-tie can then pick the other token (measured: 1 request of 32
+    # on the 80M model, docs/benchmarks.md "Packed weights on CPU"), and the default keeps
+    # transformers' (and vLLM-cpu's) tokens. True where it cannot run is refused at start-up.
+    packed_weights: bool = False
     # Pure-decode steps (every row one token) through the padded static path
     # (worker.model.static_decode): the batch padded to a fixed bucket, static input buffers, padding
     # rows on a reserved null block; on CUDA each bucket is captured once into a CUDA graph at

@@ -177,6 +177,7 @@ def test_engine_section_is_the_workers_engine_config(tmp_path: Path) -> None:
         "scheduling_policy": "priority",
         "attention_backend": "flex",
         "fused_layers": False,
+        "packed_weights": True,
         "cuda_graphs": True,
         "async_scheduling": False,
         "stream_buffer_outputs": 8,

@@ -135,22 +135,29 @@ def bench_args(prog: str, rows: list[int], argv: list[str] | None, *, gemms: boo
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = bench_args("python -m worker.bench.fusion", [1, 8, 32], argv, gemms=True)
+def bench_main(
+    args: argparse.Namespace, gemm_table: Callable[[list[int], int], None], field: str, labels: tuple[str, str]
+) -> int:
+    """The A/B benches' one body: the GEMM table alone, or whole steps with ``field`` off / on."""
     if args.gemms:
         print(f"fp32 GEMMs, {args.threads} threads; median of {args.reps} rounds")
         gemm_table(args.rows, args.reps)
         return 0
     blocks = max(args.rows) * -(-(args.context + 1) // BLOCK)
-    runners = {
-        name: ModelRunner(
-            load_model(peer_model_path(), device="cpu", dtype="float32"), num_blocks=blocks, fused_layers=fused
-        )
-        for name, fused in (("eager", False), ("fused", True))
-    }
+
+    def runner(on: bool) -> ModelRunner:
+        option: dict[str, Any] = {field: on}  # a ModelRunner keyword, named by the caller
+        return ModelRunner(load_model(peer_model_path(), device="cpu", dtype="float32"), num_blocks=blocks, **option)
+
+    runners = {label: runner(on) for label, on in zip(labels, (False, True), strict=True)}
     print(f"80M model, fp32, {args.threads} threads, context {args.context}; median of {args.reps} steps")
     ab_table(runners, args.rows, args.context, args.reps)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args("python -m worker.bench.fusion", [1, 8, 32], argv, gemms=True)
+    return bench_main(args, gemm_table, "fused_layers", ("eager", "fused"))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.model.packed_linear import Linear, linear_for
+
 
 @dataclass(frozen=True)
 class FusionCounts:
@@ -66,10 +68,13 @@ def _same_code(fn: object, ref: types.CodeType) -> bool:
 FUSED_MLP_DEVICES = frozenset({"cuda"})
 
 
-def fuse_layers(model: nn.Module, *, mlp_devices: frozenset[str] = FUSED_MLP_DEVICES) -> FusionCounts:
+def fuse_layers(
+    model: nn.Module, *, mlp_devices: frozenset[str] = FUSED_MLP_DEVICES, packed: bool = False
+) -> FusionCounts:
     """Fuse what the model's family allows, in place, after the weights are on their device;
     idempotent (a swapped module is left alone). Gate/up fuse only on ``mlp_devices`` (tests pass
-    ``{"cpu"}`` to check that swap's numbers on CPU)."""
+    ``{"cpu"}`` to check that swap's numbers on CPU). ``packed``: the fused GEMMs run on packed
+    weights where they can (worker.model.packed_linear)."""
     norm_code, mlp_code = _llama_code()
     norms = mlps = qkv = 0
     for module in list(model.modules()):
@@ -81,9 +86,9 @@ def fuse_layers(model: nn.Module, *, mlp_devices: frozenset[str] = FUSED_MLP_DEV
             _set_forward(module, _rms_norm(module))
             norms += 1
         elif _same_code(cls_forward, mlp_code):
-            if _fuse_gate_up(module, mlp_devices):
+            if _fuse_gate_up(module, mlp_devices, packed):
                 mlps += 1
-        elif _fuse_qkv(module):
+        elif _fuse_qkv(module, packed):
             qkv += 1
     return FusionCounts(norms, mlps, qkv)
 
@@ -136,18 +141,18 @@ def _concat(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None
     return weight, bias
 
 
-def _fuse_gate_up(mlp: nn.Module, devices: frozenset[str]) -> bool:
+def _fuse_gate_up(mlp: nn.Module, devices: frozenset[str], packed: bool) -> bool:
     linears = _linears(mlp, ("gate_proj", "up_proj"))
     down, act = getattr(mlp, "down_proj", None), getattr(mlp, "act_fn", None)
     if linears is None or not isinstance(down, nn.Module) or not callable(act):
         return False
     if linears[0].weight.device.type not in devices:
         return False
-    weight, bias = _concat(linears)
+    gate_up = linear_for(*_concat(linears), packed)
     split = [m.out_features for m in linears]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, weight, bias).split(split, dim=-1)
+        gate, up = gate_up(x).split(split, dim=-1)
         return cast(torch.Tensor, down(act(gate) * up))
 
     _set_forward(mlp, forward)
@@ -163,9 +168,8 @@ class _SharedProjection:
     attention code modifies between its projections), computes afresh.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> None:
-        self.weight = weight
-        self.bias = bias
+    def __init__(self, linear: Linear, sizes: list[int]) -> None:
+        self.linear = linear
         self.sizes = sizes
         self._input: torch.Tensor | None = None
         self._version = -1
@@ -176,7 +180,7 @@ class _SharedProjection:
         version = -1 if x.is_inference() else x._version  # inference tensors keep no counter
         if out is None or self._input is not x or self._version != version:
             self._input, self._version = x, version
-            self._outputs = list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+            self._outputs = list(self.linear(x).split(self.sizes, dim=-1))
             out = self._outputs[index]
         assert out is not None
         self._outputs[index] = None
@@ -188,11 +192,11 @@ class _SharedProjection:
         return lambda x: self.take(index, x)
 
 
-def _fuse_qkv(attn: nn.Module) -> bool:
+def _fuse_qkv(attn: nn.Module, packed: bool) -> bool:
     linears = _linears(attn, ("q_proj", "k_proj", "v_proj"))
     if linears is None:
         return False
-    shared = _SharedProjection(*_concat(linears), [m.out_features for m in linears])
+    shared = _SharedProjection(linear_for(*_concat(linears), packed), [m.out_features for m in linears])
     for index, linear in enumerate(linears):
         _set_forward(linear, shared.slice_of(index))
     return True

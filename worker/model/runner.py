@@ -48,6 +48,7 @@ from worker.model.fusion import fuse_layers
 from worker.model.gather import head_major
 from worker.model.host_malloc import keep_freed_memory
 from worker.model.loader import LoadedModel
+from worker.model.packed_linear import pack_linears, packed_gemms, resolve_packed_weights
 from worker.model.static_decode import CaptureReport, StaticDecode, resolve_mode
 from worker.ops.staging import int64_tensor, stage, to_device
 
@@ -65,6 +66,13 @@ class ScheduledSeq:
     sample: bool  # True if this seq's last position produces logits this step
     # Logits of this many leading positions are returned too (prompt logprobs), after every sampled row.
     prompt_logits: int = 0
+
+
+def decode_only(seqs: Sequence[ScheduledSeq]) -> bool:
+    """Every seq runs one token and returns no prompt logits: a decode step. Packed weights run
+    only here, so prompt logprobs and a prompt's KV stay torch's numbers bitwise (what an
+    evaluation harness compares with transformers'); prefill chunks are mostly past PACKED_ROWS."""
+    return all(len(s.token_ids) == 1 and not s.prompt_logits for s in seqs)
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,7 @@ class ModelRunner:
             max_model_len=max_model_len,
             attention_backend=config.attention_backend,
             fused_layers=config.fused_layers,
+            packed_weights=config.packed_weights,
             cuda_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
         )
@@ -142,16 +151,19 @@ class ModelRunner:
         max_model_len: int | None = None,
         attention_backend: str = "auto",
         fused_layers: bool = True,
+        packed_weights: bool = False,
         cuda_graphs: bool | None = False,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     ) -> None:
         """``attention_backend``: ``EngineConfig.attention_backend``; refused here, at start-up,
         where the device cannot run it. ``fused_layers``: ``EngineConfig.fused_layers``.
+        ``packed_weights``: ``EngineConfig.packed_weights`` (decode steps only: ``decode_only``).
         ``cuda_graphs``: ``EngineConfig.cuda_graphs`` (None = auto;
         the default False keeps helper runners, e.g. the profile run's, on the dynamic path), with
         batch buckets up to ``max_num_seqs``; on CUDA the graphs are captured here, once the KV
         pool exists. ``num_blocks``: the pool's blocks, the null block included."""
         self.attention_backend = resolve_backend(attention_backend, loaded.device, block_size)
+        self.packed_weights = resolve_packed_weights(packed_weights, loaded.device, loaded.dtype)
         mode = resolve_mode(cuda_graphs, loaded.device, sharded=loaded.shard is not None)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -184,7 +196,9 @@ class ModelRunner:
             keep_freed_memory()  # the process's malloc: a step's temporaries reused, not re-mapped
         self._model.set_attn_implementation(register_attention())
         if fused_layers:
-            logger.info("fused layers: %s", fuse_layers(self._model).describe())
+            logger.info("fused layers: %s", fuse_layers(self._model, packed=self.packed_weights).describe())
+        if self.packed_weights:
+            logger.info("packed weights: %d more linears on MKL's packed GEMM", pack_linears(self._model))
         self._no_mask = prepared_mask_sentinel(loaded.device)
         self._workspace: dict[str, torch.Tensor] = {}
         cuda = loaded.device.type == "cuda"
@@ -361,7 +375,7 @@ class ModelRunner:
         then the ``prompt_logits`` rows of each seq, in seqs order. ``feed``: the one-token seqs
         whose token is still on the device (async scheduling)."""
         used = self._check(seqs)
-        with torch.inference_mode():
+        with torch.inference_mode(), packed_gemms(self.packed_weights and decode_only(seqs)):
             if not seqs:
                 return torch.empty((0, self.vocab_size), dtype=self._k[0].dtype, device=self._device)
             self._sync_table(seqs, used)

@@ -139,6 +139,7 @@ applications:
         scheduling_policy: {{ $v.engine.schedulingPolicy | toJson }}
         attention_backend: {{ $v.engine.attentionBackend | toJson }}
         fused_layers: {{ $v.engine.fusedLayers | toJson }}
+        packed_weights: {{ $v.engine.packedWeights | toJson }}
         cuda_graphs: {{ $v.engine.cudaGraphs | toJson }}
         async_scheduling: {{ $v.engine.asyncScheduling | toJson }}
         stream_buffer_outputs: {{ $v.engine.streamBufferOutputs | toJson }}

@@ -14,6 +14,7 @@ from torch import nn
 
 from tests.worker.test_model_matrix import _COMMON, FAMILIES
 from worker.model.fusion import FusionCounts, _SharedProjection, fuse_layers
+from worker.model.packed_linear import PackedLinear, plain_linear
 
 # Gate/up fuse only on CUDA; passed as the devices, this checks that swap's numbers on CPU.
 GATE_UP_ON_CPU = frozenset({"cpu"})
@@ -96,7 +97,8 @@ def test_the_engine_runs_fused_by_default_and_the_tokens_match_unfused(tiny_mode
                     done[out.request_id] = out.outputs[0]
         runs.append({rid: (list(o.token_ids), o.cumulative_logprob) for rid, o in done.items()})
         attn = loaded.model.model.layers[0].self_attn
-        assert ("forward" in vars(attn.q_proj)) is fused
+        swapped = vars(attn.q_proj).get("forward")  # fused: a slice of the shared q/k/v GEMM
+        assert (swapped is not None and not isinstance(swapped, PackedLinear)) is fused
     assert runs[0] == runs[1]
 
 
@@ -116,7 +118,7 @@ def test_shared_projection_equals_three_linears_in_any_call_order(
     sizes = [6, 4, 4]
     weights = [torch.randn(n, 8, generator=g) for n in sizes]
     biases = [torch.randn(n, generator=g) if bias else None for n in sizes]
-    shared = _SharedProjection(torch.cat(weights), torch.cat(biases) if bias else None, sizes)  # type: ignore[arg-type]
+    shared = _SharedProjection(plain_linear(torch.cat(weights), torch.cat(biases) if bias else None), sizes)  # type: ignore[arg-type]
     xs = [torch.randn(3, 8, generator=g) for _ in range(3)]
     for step, index in enumerate(order):
         x = xs[inputs[step]]
