@@ -126,6 +126,7 @@ async def amain(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.token_budget,
         max_model_len=args.max_model_len,
         load_entry_points=False,
+        packed_weights=args.packed_weights,
     )
     engine = AsyncEngine(EngineConfig(model=path, **sizes), loaded=loaded)
     offline = on_own_thread(LLM, loaded=loaded, **sizes)
@@ -272,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--token-budget", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--packed-weights", action="store_true", help="engine.packed_weights on (fp32 CPU, opt-in)")
     p.add_argument("--hf-single-max", type=int, default=64, help="cap on one-at-a-time requests timed")
     p.add_argument("--soak", type=int, default=0, help="also run this many requests with churn (e.g. 1000)")
     p.add_argument(
