@@ -5,8 +5,9 @@ rows that copy is a large part of the GEMM: MKL's packed GEMM (``cblas_sgemm_pac
 ``sgemm_compute``; torch exposes it as ``torch.ops.mkl._mkl_linear``, what inductor uses for
 frozen float32 weights) skips it. Measured on the 80M model's shapes, 2 threads (docs/benchmarks.md
 "Packed weights on CPU"): 1.7-2.3x at 4-8 rows, 1.3-1.4x at 32-64, 1.1x at 128-256, no faster at
-1-2 rows and barely past 256, where ``F.linear`` keeps the call; decode steps 1.1-1.2x. vLLM-cpu
-does the same with a prepacked oneDNN GEMM.
+1-2 rows and barely past 256, where ``F.linear`` keeps the call; decode steps 1.1-1.2x. That is
+one box's MKL: on an AVX2 AMD EPYC it is no faster at any row count (0.94-1.08x), another reason it
+is opt-in. vLLM-cpu does the same with a prepacked oneDNN GEMM.
 
 The numbers are torch's within float32 rounding, not bitwise (the packed kernel blocks the
 reduction its own way), so a greedy near-tie may pick the other token: ``EngineConfig.packed_weights``
