@@ -41,21 +41,24 @@ _state = threading.local()
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """A 2-D float32 CPU weight, with torch built on MKL (the packed kernel's only home)."""
+def packed_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """MKL's packed GEMM runs here: float32 on a CPU, torch built with MKL and exposing the op."""
     return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
+        device.type == "cpu"
+        and dtype == torch.float32
         and torch.backends.mkl.is_available()
         and hasattr(torch.ops.mkl, "_mkl_linear")
     )
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    """A 2-D weight where the packed GEMM runs."""
+    return weight.dim() == 2 and packed_gemm_runs(weight.device, weight.dtype)
+
+
 def resolve_packed_weights(packed_weights: bool, device: torch.device, dtype: torch.dtype) -> bool:
     """``EngineConfig.packed_weights``: True where it cannot run is refused (one line, at start-up)."""
-    where = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
-    if packed_weights and not where:
+    if packed_weights and not packed_gemm_runs(device, dtype):
         raise ValueError(
             f"packed_weights: MKL's packed GEMM runs float32 on a CPU built with MKL; this model is {dtype} on {device}"
         )
